@@ -1,0 +1,1 @@
+"""Benchmark clients (`python -m atom.benchmarks.benchmark_serving`)."""

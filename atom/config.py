@@ -1,0 +1,241 @@
+"""Engine configuration: what to run, how to split it, and how to speculate."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+KV_ROLES = ("none", "kv_producer", "kv_consumer")
+SPECULATIVE_METHODS = ("dspark", "eagle3", "mtp")
+DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+class HFConfig(dict):
+    """Attribute view of a checkpoint's config.json (nested dicts become HFConfig)."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            value = self[name]
+        except KeyError:
+            raise AttributeError(f"config has no field {name!r}") from None
+        return HFConfig(value) if isinstance(value, dict) else value
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        self[name] = value
+
+    @property
+    def text(self) -> HFConfig:
+        """The language-model config: `text_config` for multimodal wrappers."""
+        if isinstance(self.get("text_config"), dict):
+            return HFConfig(self["text_config"])
+        return self
+
+    @property
+    def architecture(self) -> str:
+        archs = self.get("architectures") or []
+        if not archs:
+            raise ValueError("config.json has no 'architectures' entry")
+        return archs[0]
+
+
+def load_hf_config(model_dir: str) -> HFConfig:
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"no config.json in model folder {model_dir!r}")
+    with open(path) as f:
+        return HFConfig(json.load(f))
+
+
+@dataclass
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    rank: int = 0
+    backend: str | None = None  # None: gloo on CPU, nccl on CUDA
+    init_method: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tensor_parallel_size
+
+    @property
+    def pp_rank(self) -> int:
+        return self.rank // self.tensor_parallel_size
+
+
+@dataclass
+class SpeculativeConfig:
+    method: str
+    model: str | None = None
+    num_speculative_tokens: int = 1
+    draft_hf_config: HFConfig | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"unknown speculative method {self.method!r}; "
+                f"allowed: {', '.join(SPECULATIVE_METHODS)}"
+            )
+        if self.num_speculative_tokens < 1:
+            raise ValueError(
+                "num_speculative_tokens must be >= 1, "
+                f"got {self.num_speculative_tokens}"
+            )
+        if self.method in ("dspark", "eagle3") and not self.model:
+            raise ValueError(
+                f"method {self.method!r} needs a draft model (draft_model)"
+            )
+        if self.method == "mtp" and self.model:
+            raise ValueError(
+                "method 'mtp' takes its draft from the target; drop draft_model"
+            )
+
+    def use_dspark(self) -> bool:
+        if self.method == "dspark":
+            return True
+        cfg = self.draft_hf_config or {}
+        return bool(cfg.get("dspark_block_size") or cfg.get("dspark_with_draft"))
+
+    @property
+    def canonical_method(self) -> str:
+        return "dspark" if self.use_dspark() else self.method
+
+
+@dataclass
+class Config:
+    model: str = "tiny-kimi-k3"
+    tokenizer: str | None = None
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    device: str = "auto"
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 16384
+    block_size: int = 16
+    num_kvcache_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    enforce_eager: bool = True
+    kv_role: str = "none"
+    pp_layer_partition: list[int] | None = None
+    seed: int = 0
+    method: str | None = None
+    draft_model: str | None = None
+    num_speculative_tokens: int = 1
+    hf_config: HFConfig = field(default_factory=HFConfig)
+    speculative_config: SpeculativeConfig | None = None
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def __post_init__(self) -> None:
+        from atom.models.tiny import resolve_model_path
+
+        if self.kv_role not in KV_ROLES:
+            raise ValueError(
+                f"unknown kv_role {self.kv_role!r}; allowed: {', '.join(KV_ROLES)}"
+            )
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(
+                f"dtype must be auto or one of {', '.join(DTYPES)}, got {self.dtype!r}"
+            )
+        if isinstance(self.pp_layer_partition, str):
+            self.pp_layer_partition = parse_partition(self.pp_layer_partition)
+        self.model = resolve_model_path(self.model)
+        if not self.hf_config:
+            self.hf_config = load_hf_config(self.model)
+        self.parallel_config = ParallelConfig(
+            self.tensor_parallel_size,
+            self.pipeline_parallel_size,
+            rank=self.parallel_config.rank,
+            backend=self.parallel_config.backend,
+            init_method=self.parallel_config.init_method,
+        )
+        if self.method is not None and self.speculative_config is None:
+            draft = resolve_model_path(self.draft_model) if self.draft_model else None
+            self.speculative_config = SpeculativeConfig(
+                method=self.method,
+                model=draft,
+                num_speculative_tokens=self.num_speculative_tokens,
+                draft_hf_config=load_hf_config(draft) if draft else None,
+            )
+        text = self.hf_config.text
+        if self.max_model_len is None:
+            self.max_model_len = int(text.get("max_position_embeddings", 4096))
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        self._validate_parallel(text)
+
+    def _validate_parallel(self, text: HFConfig) -> None:
+        pp, tp = self.pipeline_parallel_size, self.tensor_parallel_size
+        layers = int(text.get("num_hidden_layers", 0))
+        if pp > layers:
+            raise ValueError(
+                f"pipeline_parallel_size={pp} exceeds num_hidden_layers={layers}; "
+                f"allowed: 1..{layers}"
+            )
+        for name in ("num_attention_heads", "vocab_size"):
+            value = text.get(name)
+            if value is not None and value % tp:
+                raise ValueError(
+                    f"tensor_parallel_size={tp} does not divide {name}={value}"
+                )
+        if self.pp_layer_partition is not None:
+            from atom.models.utils import validate_partition
+
+            validate_partition(self.pp_layer_partition, layers, pp)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype != "auto":
+            return DTYPES[self.dtype]
+        name = self.hf_config.text.get("torch_dtype") or self.hf_config.get(
+            "torch_dtype", "bfloat16"
+        )
+        return DTYPES.get(name, torch.bfloat16)
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    @property
+    def num_speculative_rows(self) -> int:
+        """Drafts verified per decoding step (0 without speculation)."""
+        spec = self.speculative_config
+        return spec.num_speculative_tokens if spec else 0
+
+
+def is_context_only_producer(config: Config) -> bool:
+    """A P/D prefill node: it writes KV (target and draft context) but never decodes."""
+    return config.kv_role == "kv_producer"
+
+
+def parse_partition(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ValueError(
+            f"pp layer partition must be a comma list of integers, got {text!r}"
+        ) from None

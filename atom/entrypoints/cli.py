@@ -1,0 +1,88 @@
+"""The `atom` console script: `atom serve` and `atom generate`."""
+
+import argparse
+import time
+from collections.abc import Sequence
+
+from atom.entrypoints.openai.api_server import add_server_args, run_server
+from atom.model_engine.arg_utils import EngineArgs
+from atom.utils.arg_parser import FlexibleArgumentParser
+
+DEFAULT_PROMPTS = [
+    "Introduce yourself.",
+    "List all prime numbers below 30.",
+    "1+2+3=?",
+]
+
+
+def read_prompts(args: argparse.Namespace) -> list[str]:
+    prompts = list(args.prompt or [])
+    if args.prompts_file:
+        with open(args.prompts_file, encoding="utf-8") as file:
+            prompts += [line.rstrip("\n") for line in file if line.strip()]
+    return prompts or list(DEFAULT_PROMPTS)
+
+
+def run_generate(args: argparse.Namespace) -> None:
+    from atom.sampling_params import SamplingParams
+
+    prompts = read_prompts(args)
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+    )
+    engine = EngineArgs.from_cli_args(args).create_engine()
+    try:
+        start = time.perf_counter()
+        results = engine.generate(prompts, params)
+        elapsed = time.perf_counter() - start
+        for prompt, result in zip(prompts, results, strict=True):
+            print(f"Prompt: {prompt!r}")
+            print(f"Completion: {result['text']!r}")
+        mtp_line = engine.format_mtp_stats_line()
+        if mtp_line:
+            print(mtp_line)
+        num_tokens = sum(len(result["token_ids"]) for result in results)
+        print(
+            f"Generated {num_tokens} tokens for {len(prompts)} prompts in "
+            f"{elapsed:.2f} s ({num_tokens / elapsed:.1f} tok/s)"
+        )
+    finally:
+        engine.close()
+
+
+def add_generate_args(parser: FlexibleArgumentParser) -> FlexibleArgumentParser:
+    parser.add_argument(
+        "--prompt", action="append", help="a prompt; repeat for several"
+    )
+    parser.add_argument("--prompts-file", help="one prompt per non-empty line")
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--top-k", type=int, default=-1)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    # --seed is an engine flag and also seeds these requests.
+    return EngineArgs.add_cli_args(parser)
+
+
+def make_parser() -> FlexibleArgumentParser:
+    parser = FlexibleArgumentParser(prog="atom", description="atom LLM engine")
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    add_server_args(serve).set_defaults(handler=run_server)
+    generate = commands.add_parser(
+        "generate", help="run prompts offline and print the completions"
+    )
+    add_generate_args(generate).set_defaults(handler=run_generate)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = make_parser().parse_args(argv)
+    args.handler(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,211 @@
+"""OpenAI-compatible HTTP server: the app factory, its flags, and `main()`."""
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from atom.entrypoints.openai.async_engine import AsyncEngine, EngineDeadError
+from atom.entrypoints.openai.metrics import (
+    CONTENT_TYPE,
+    StatsLogger,
+    render_prometheus,
+)
+from atom.entrypoints.openai.protocol import ModelCard, ModelList
+from atom.entrypoints.openai.serving import APIError, OpenAIServing, error_for
+from atom.model_engine.arg_utils import EngineArgs
+from atom.utils.arg_parser import FlexibleArgumentParser
+
+logger = logging.getLogger(__name__)
+
+
+def build_app(
+    async_engine: AsyncEngine,
+    served_model_name: str | None = None,
+    chat_template: str | None = None,
+    default_chat_template_kwargs: dict[str, Any] | None = None,
+    stats_log_interval_s: float = 10.0,
+    server_info: dict[str, Any] | None = None,
+) -> FastAPI:
+    """The FastAPI app around an already started `AsyncEngine`."""
+    served_model_name = served_model_name or async_engine.model_name
+    serving = OpenAIServing(
+        async_engine, served_model_name, chat_template, default_chat_template_kwargs
+    )
+    stats_logger = StatsLogger(async_engine, stats_log_interval_s)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        task = None
+        if stats_log_interval_s > 0:
+            task = asyncio.create_task(stats_logger.run())
+        yield
+        if task is not None:
+            task.cancel()
+        # The cumulative MTP line is what CI reads, so end on a fresh one.
+        await stats_logger.log_once()
+
+    app = FastAPI(title="atom", lifespan=lifespan)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(Exception)
+    async def unexpected_error(request: Request, exc: Exception) -> JSONResponse:
+        return error_for(exc).response()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await serving.completions(request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await serving.chat_completions(request)
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        card = ModelCard(
+            id=served_model_name,
+            root=async_engine.model_name,
+            max_model_len=async_engine.max_model_len,
+        )
+        return JSONResponse(ModelList(data=[card]).model_dump())
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if async_engine.is_healthy:
+            return JSONResponse({"status": "ok"})
+        reason = async_engine.dead_reason or "engine thread stopped"
+        return JSONResponse({"status": "unhealthy", "reason": reason}, 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        try:
+            stats, speculation = await async_engine.call(
+                lambda engine: (engine.get_stats(), engine.get_mtp_statistics())
+            )
+        except EngineDeadError as error:
+            return error_for(error).response()
+        text = render_prometheus(stats, speculation, served_model_name)
+        return Response(text, media_type=CONTENT_TYPE)
+
+    @app.get("/debug/mtp_stats")
+    async def mtp_stats() -> JSONResponse:
+        try:
+            speculation = await async_engine.call(
+                lambda engine: engine.get_mtp_statistics()
+            )
+        except EngineDeadError as error:
+            return error_for(error).response()
+        if speculation is None:
+            return JSONResponse({"enabled": False})
+        return JSONResponse({"enabled": True, **speculation})
+
+    @app.get("/server_info")
+    async def info() -> JSONResponse:
+        return JSONResponse(
+            {
+                "model": async_engine.model_name,
+                "served_model_name": served_model_name,
+                "max_model_len": async_engine.max_model_len,
+                "healthy": async_engine.is_healthy,
+                **(server_info or {}),
+            }
+        )
+
+    return app
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"invalid JSON ({error}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
+def add_server_args(parser: FlexibleArgumentParser) -> FlexibleArgumentParser:
+    """Server flags followed by every engine flag."""
+    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--server-port", type=int, default=8000)
+    parser.add_argument(
+        "--served-model-name", default=None, help="model id clients send (--model)"
+    )
+    parser.add_argument(
+        "--chat-template",
+        default=None,
+        help="Jinja chat template: a file path or the template itself",
+    )
+    parser.add_argument(
+        "--default-chat-template-kwargs",
+        type=_json_object,
+        default=None,
+        help="JSON object passed to the chat template; a request's own wins",
+    )
+    parser.add_argument("--timeout-keep-alive", type=int, default=5)
+    parser.add_argument("--disable-uvicorn-access-log", action="store_true")
+    parser.add_argument(
+        "--log-stats-interval",
+        type=float,
+        default=10.0,
+        help="seconds between engine stats log lines; 0 turns them off",
+    )
+    parser.add_unsupported_argument("--request-log")
+    return EngineArgs.add_cli_args(parser)
+
+
+def load_chat_template(value: str | None) -> str | None:
+    if value is None or not os.path.isfile(value):
+        return value
+    with open(value, encoding="utf-8") as file:
+        return file.read()
+
+
+def run_server(args: argparse.Namespace) -> None:
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    engine_args = EngineArgs.from_cli_args(args)
+    logger.info("starting engine: %s", engine_args)
+    async_engine = AsyncEngine(engine_args.create_engine).start()
+    try:
+        app = build_app(
+            async_engine,
+            served_model_name=args.served_model_name or engine_args.model,
+            chat_template=load_chat_template(args.chat_template),
+            default_chat_template_kwargs=args.default_chat_template_kwargs,
+            stats_log_interval_s=args.log_stats_interval,
+            server_info={"engine_args": engine_args.engine_kwargs()},
+        )
+        uvicorn.run(
+            app,
+            host=args.host,
+            port=args.server_port,
+            timeout_keep_alive=args.timeout_keep_alive,
+            access_log=not args.disable_uvicorn_access_log,
+            log_level="info",
+        )
+    finally:
+        async_engine.shutdown()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = add_server_args(
+        FlexibleArgumentParser(description="atom OpenAI-compatible server")
+    )
+    run_server(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,357 @@
+"""Request handling for /v1/completions and /v1/chat/completions.
+
+Each handler validates the body, turns it into engine requests, and answers
+with one JSON body or an SSE stream (`data: <chunk>\\n\\n` frames; the finish
+chunk, the optional usage chunk and `data: [DONE]` leave in one final write).
+"""
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from atom.entrypoints.openai.async_engine import AsyncEngine, EngineDeadError
+from atom.entrypoints.openai.protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatResponseMessage,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorInfo,
+    ErrorResponse,
+    OpenAIRequest,
+    UsageInfo,
+    format_validation_error,
+    random_id,
+)
+from atom.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+RequestT = TypeVar("RequestT", bound=OpenAIRequest)
+
+# OpenAI's default is "until the context is full"; cap it as ATOM does.
+HTTP_DEFAULT_MAX_TOKENS = 8192
+DISCONNECT_POLL_S = 0.5
+
+
+class APIError(Exception):
+    """Answered as `{"error": {"message", "type", "code"}}` with `status`."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.kind = kind
+
+    def response(self) -> JSONResponse:
+        info = ErrorInfo(message=self.message, type=self.kind, code=self.status)
+        return JSONResponse(ErrorResponse(error=info).model_dump(), self.status)
+
+
+def error_for(exc: BaseException) -> APIError:
+    """Map an exception raised while serving a request to its HTTP error."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, EngineDeadError):
+        return APIError(500, f"the engine is not running: {exc}", "internal_error")
+    if isinstance(exc, ValueError | TypeError):
+        return APIError(400, str(exc))
+    logger.exception("request failed", exc_info=exc)
+    return APIError(500, f"internal error: {exc!r}", "internal_error")
+
+
+def sse_frame(chunk: BaseModel | dict) -> str:
+    data = chunk.model_dump() if isinstance(chunk, BaseModel) else chunk
+    # allow_nan=False: SSE consumers parse strict JSON, so floats must be finite.
+    return f"data: {json.dumps(data, allow_nan=False, ensure_ascii=False)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def render_chat(
+    engine: Any,
+    messages: list[dict[str, str]],
+    chat_template: str | None,
+    template_kwargs: dict[str, Any],
+) -> str:
+    """Chat prompt text; runs on the engine thread (the tokenizer is the engine's)."""
+    tokenizer = engine.tokenizer
+    has_template = chat_template or getattr(tokenizer, "chat_template", None)
+    if not has_template or (chat_template is None and not template_kwargs):
+        return engine.apply_chat_template(messages)
+    return tokenizer.apply_chat_template(
+        messages,
+        chat_template=chat_template,
+        tokenize=False,
+        add_generation_prompt=True,
+        **template_kwargs,
+    )
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it (which aborts its requests) if the client leaves."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise APIError(499, "client disconnected")
+    finally:
+        task.cancel()
+
+
+class OpenAIServing:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        served_model_name: str,
+        chat_template: str | None = None,
+        default_chat_template_kwargs: dict[str, Any] | None = None,
+    ):
+        self.engine = engine
+        self.served_model_name = served_model_name
+        self.chat_template = chat_template
+        self.default_chat_template_kwargs = default_chat_template_kwargs or {}
+
+    # ---- endpoints ----
+
+    async def completions(self, request: Request):
+        body = await self._parse(request, CompletionRequest)
+        params = self._sampling_params(body)
+        prompts = body.prompts()
+        for prompt in prompts:
+            self._check_token_ids(prompt)
+        request_id = random_id("cmpl")
+        if not body.stream:
+            outputs = await unless_disconnected(
+                request, self._run_all(prompts, params, request_id)
+            )
+            choices = [
+                CompletionChoice(index=i, text=o.text, finish_reason=o.finish_reason)
+                for i, o in enumerate(outputs)
+            ]
+            response = CompletionResponse(
+                id=request_id,
+                model=self.served_model_name,
+                choices=choices,
+                usage=self._usage(outputs),
+            )
+            return JSONResponse(response.model_dump())
+        if len(prompts) != 1:
+            raise APIError(400, "prompt: streaming accepts a single prompt")
+
+        def chunk(text: str, finish_reason: str | None) -> CompletionResponse:
+            choice = CompletionChoice(index=0, text=text, finish_reason=finish_reason)
+            return CompletionResponse(
+                id=request_id, model=self.served_model_name, choices=[choice]
+            )
+
+        def usage_chunk(usage: UsageInfo) -> CompletionResponse:
+            return CompletionResponse(
+                id=request_id, model=self.served_model_name, choices=[], usage=usage
+            )
+
+        return await self._stream(
+            request, body, prompts[0], params, request_id, [], chunk, usage_chunk
+        )
+
+    async def chat_completions(self, request: Request):
+        body = await self._parse(request, ChatCompletionRequest)
+        params = self._sampling_params(body)
+        try:
+            messages = body.chat_messages()
+        except ValueError as error:
+            raise APIError(400, str(error)) from None
+        template_kwargs = {
+            **self.default_chat_template_kwargs,
+            **(body.chat_template_kwargs or {}),
+        }
+        try:
+            prompt = await self.engine.call(
+                lambda engine: render_chat(
+                    engine, messages, self.chat_template, template_kwargs
+                )
+            )
+        except EngineDeadError as error:
+            raise error_for(error) from None
+        except Exception as error:
+            raise APIError(400, f"messages: chat template failed: {error}") from None
+        request_id = random_id("chatcmpl")
+        if not body.stream:
+            (output,) = await unless_disconnected(
+                request, self._run_all([prompt], params, request_id)
+            )
+            choice = ChatChoice(
+                index=0,
+                message=ChatResponseMessage(content=output.text),
+                finish_reason=output.finish_reason,
+            )
+            response = ChatCompletionResponse(
+                id=request_id,
+                model=self.served_model_name,
+                choices=[choice],
+                usage=self._usage([output]),
+            )
+            return JSONResponse(response.model_dump())
+
+        def chunk(text: str, finish_reason: str | None) -> ChatCompletionChunk:
+            choice = ChatChunkChoice(
+                index=0,
+                delta={"content": text} if text else {},
+                finish_reason=finish_reason,
+            )
+            return ChatCompletionChunk(
+                id=request_id, model=self.served_model_name, choices=[choice]
+            )
+
+        def usage_chunk(usage: UsageInfo) -> ChatCompletionChunk:
+            return ChatCompletionChunk(
+                id=request_id, model=self.served_model_name, choices=[], usage=usage
+            )
+
+        role = ChatChunkChoice(index=0, delta={"role": "assistant", "content": ""})
+        opening = [
+            ChatCompletionChunk(
+                id=request_id, model=self.served_model_name, choices=[role]
+            )
+        ]
+        return await self._stream(
+            request, body, prompt, params, request_id, opening, chunk, usage_chunk
+        )
+
+    # ---- helpers ----
+
+    async def _parse(self, request: Request, model: type[RequestT]) -> RequestT:
+        try:
+            raw = await request.json()
+        except ValueError as error:
+            raise APIError(400, f"malformed JSON body: {error}") from None
+        try:
+            body = model.model_validate(raw)
+        except ValidationError as error:
+            raise APIError(400, format_validation_error(error)) from None
+        if body.model is not None and body.model != self.served_model_name:
+            raise APIError(
+                404,
+                f"model {body.model!r} does not exist; this server serves "
+                f"{self.served_model_name!r}",
+                "not_found_error",
+            )
+        return body
+
+    def _sampling_params(self, body: OpenAIRequest) -> SamplingParams:
+        default_max_tokens = min(HTTP_DEFAULT_MAX_TOKENS, self.engine.max_model_len)
+        try:
+            return SamplingParams(**body.sampling_kwargs(default_max_tokens))
+        except (ValueError, TypeError) as error:
+            raise APIError(400, str(error)) from None
+
+    def _check_token_ids(self, prompt: str | list[int]) -> None:
+        # An id outside the vocabulary would crash the forward pass, taking every
+        # other request down with it, so it is refused here.
+        if isinstance(prompt, list):
+            bad = [t for t in prompt if t >= self.engine.vocab_size]
+            if bad:
+                raise APIError(
+                    400,
+                    f"prompt: token ids {bad[:5]} are outside the vocabulary "
+                    f"(size {self.engine.vocab_size})",
+                )
+
+    async def _run_all(
+        self, prompts: list[str | list[int]], params: SamplingParams, request_id: str
+    ) -> list[Any]:
+        """Final outputs of all prompts, run concurrently; one failure cancels all."""
+
+        async def final_output(index: int, prompt: str | list[int]) -> Any:
+            final = None
+            suffix = f"-{index}" if len(prompts) > 1 else ""
+            async for output in self.engine.generate(
+                prompt, params, request_id + suffix
+            ):
+                final = output
+            return final
+
+        tasks = [
+            asyncio.ensure_future(final_output(i, p)) for i, p in enumerate(prompts)
+        ]
+        try:
+            return await asyncio.gather(*tasks)
+        except Exception as error:
+            raise error_for(error) from None
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    @staticmethod
+    def _usage(outputs: list[Any]) -> UsageInfo:
+        return UsageInfo.of(
+            sum(len(o.prompt_token_ids) for o in outputs),
+            sum(len(o.output_token_ids) for o in outputs),
+        )
+
+    async def _stream(
+        self,
+        request: Request,
+        body: OpenAIRequest,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str,
+        opening: list[BaseModel],
+        chunk: Callable[[str, str | None], BaseModel],
+        usage_chunk: Callable[[UsageInfo], BaseModel],
+    ) -> StreamingResponse:
+        outputs = self.engine.generate(prompt, params, request_id)
+        try:
+            # Waiting for the first output means a rejected prompt still gets a
+            # proper 4xx status instead of an error inside a 200 stream.
+            first = await unless_disconnected(request, anext(outputs))
+        except Exception as error:
+            raise error_for(error) from None
+        include_usage = body.include_usage_in_stream()
+
+        async def frames() -> AsyncIterator[str]:
+            pending = "".join(sse_frame(c) for c in opening)
+            output = first
+            try:
+                while True:
+                    if output.finished:
+                        final = pending + sse_frame(
+                            chunk(output.new_text, output.finish_reason)
+                        )
+                        if include_usage:
+                            final += sse_frame(usage_chunk(self._usage([output])))
+                        yield final + SSE_DONE
+                        return
+                    if output.new_text:
+                        yield pending + sse_frame(chunk(output.new_text, None))
+                        pending = ""
+                    output = await anext(outputs)
+            except Exception as error:
+                failure = error_for(error)
+                info = ErrorInfo(
+                    message=failure.message, type=failure.kind, code=failure.status
+                )
+                yield sse_frame(ErrorResponse(error=info)) + SSE_DONE
+            finally:
+                await outputs.aclose()
+
+        return StreamingResponse(
+            frames(),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache"},
+        )

@@ -1,0 +1,22 @@
+"""`python -m atom.entrypoints.openai_server`: the canonical server launch."""
+
+import logging
+import resource
+
+from atom.entrypoints.openai.api_server import main
+
+
+def raise_open_file_limit() -> None:
+    """Many concurrent clients need many sockets; lift the soft limit if allowed."""
+    try:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if hard == resource.RLIM_INFINITY or soft < hard:
+            target = 65536 if hard == resource.RLIM_INFINITY else hard
+            resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, target), hard))
+    except (ValueError, OSError) as error:
+        logging.getLogger(__name__).warning("could not raise the file limit: %s", error)
+
+
+if __name__ == "__main__":
+    raise_open_file_limit()
+    main()

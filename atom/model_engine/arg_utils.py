@@ -1,0 +1,218 @@
+"""Engine command-line flags: `EngineArgs` and its argparse wiring."""
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from atom.utils.arg_parser import FlexibleArgumentParser
+
+# The tiny test checkpoints ship a matching DSpark draft, so `--method dspark`
+# works on them without naming one.
+TINY_DSPARK_DRAFTS = {
+    "tiny-kimi-k3": "tiny-kimi-k3-dspark",
+    "tiny-kimi-k31": "tiny-kimi-k31-dspark",
+}
+
+# ROCm/ATOM flags that atom does not implement, with a hint where one helps.
+# Registering them turns a silent mismatch into an explicit error.
+UNSUPPORTED_ENGINE_FLAGS: dict[tuple[str, ...], str] = {
+    ("--port",): "it is ATOM's internal engine port; use --server-port",
+    ("-dp", "--data-parallel-size"): "",
+    ("--data-parallel-rank",): "",
+    ("--enable-dp-attention",): "",
+    ("--enable-expert-parallel",): "",
+    ("--enable-eplb",): "",
+    ("--num-redundant-experts",): "",
+    ("--enable-tbo",): "",
+    ("--prefill-context-parallel-size",): "",
+    ("--decode-context-parallel-size",): "",
+    ("--kv-transfer-config",): "use --kv-role",
+    ("--kv-cache-dtype",): "",
+    ("--online-quant-config",): "",
+    ("--cudagraph-capture-sizes",): "",
+    ("--cudagraph-mode",): "",
+    ("--level",): "",
+    ("--hf-overrides",): "",
+    ("--load-dummy",): "",
+    ("--torch-profiler-dir",): "",
+    ("--long-prefill-token-threshold",): "",
+    ("--state-checkpoint-interval-tokens",): "",
+    ("--spec-decode-acceptance-length",): "",
+    ("--spec-decode-acceptance-rate",): "",
+    ("--dspark-config",): "",
+    ("--speculative-config",): "use --method/--draft-model/--num-speculative-tokens",
+}
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    return value
+
+
+def _layer_partition(text: str) -> list[int]:
+    """'24,23' -> [24, 23]: layers per pipeline stage."""
+    try:
+        counts = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated layer counts such as '24,23', got {text!r}"
+        ) from None
+    if any(count < 1 for count in counts):
+        raise argparse.ArgumentTypeError(
+            f"every stage needs at least one layer, got {text!r}"
+        )
+    return counts
+
+
+@dataclass
+class EngineArgs:
+    model: str = "tiny-kimi-k3"
+    tokenizer: str | None = None
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    device: str = "auto"
+    dtype: str = "auto"
+    enforce_eager: bool = False
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    block_size: int = 16
+    max_model_len: int | None = None
+    max_num_batched_tokens: int = 16384
+    # Each running sequence holds a KDA recurrent-state slot that is allocated
+    # up front; 64 matches the Kimi-K3 recipes and keeps that pool small on CPU.
+    max_num_seqs: int = 64
+    gpu_memory_utilization: float = 0.9
+    num_kvcache_blocks: int | None = None
+    method: str | None = None
+    draft_model: str | None = None
+    num_speculative_tokens: int = 1
+    kv_role: str = "none"
+    pp_layer_partition: list[int] | None = None
+    seed: int | None = None
+    trust_remote_code: bool = False
+
+    def __post_init__(self) -> None:
+        if self.method == "dspark" and self.draft_model is None:
+            self.draft_model = TINY_DSPARK_DRAFTS.get(self.model)
+
+    @staticmethod
+    def add_cli_args(parser: FlexibleArgumentParser) -> FlexibleArgumentParser:
+        defaults = EngineArgs()
+        parser.add_argument("--model", default=defaults.model, help="HF id or path")
+        parser.add_argument(
+            "--tokenizer", default=None, help="tokenizer path (default: --model)"
+        )
+        parser.add_argument(
+            "-tp",
+            "--tensor-parallel-size",
+            type=_positive_int,
+            default=defaults.tensor_parallel_size,
+        )
+        parser.add_argument(
+            "-pp",
+            "--pipeline-parallel-size",
+            type=_positive_int,
+            default=defaults.pipeline_parallel_size,
+        )
+        parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+        parser.add_argument(
+            "--dtype",
+            choices=["auto", "float32", "bfloat16", "float16"],
+            default="auto",
+            help="weight and activation dtype; auto = the checkpoint's",
+        )
+        parser.add_argument(
+            "--enforce-eager", action="store_true", help="never capture CUDA graphs"
+        )
+        parser.add_argument(
+            "--enable-prefix-caching",
+            action=argparse.BooleanOptionalAction,
+            default=True,
+        )
+        parser.add_argument(
+            "--enable-chunked-prefill",
+            action=argparse.BooleanOptionalAction,
+            default=True,
+        )
+        parser.add_argument(
+            "--block-size", type=_positive_int, default=defaults.block_size
+        )
+        parser.add_argument(
+            "--max-model-len",
+            type=_positive_int,
+            default=None,
+            help="context length (default: the model config's)",
+        )
+        parser.add_argument(
+            "--max-num-batched-tokens",
+            type=_positive_int,
+            default=defaults.max_num_batched_tokens,
+        )
+        parser.add_argument(
+            "--max-num-seqs", type=_positive_int, default=defaults.max_num_seqs
+        )
+        parser.add_argument(
+            "--gpu-memory-utilization",
+            type=float,
+            default=defaults.gpu_memory_utilization,
+        )
+        parser.add_argument(
+            "--num-kvcache-blocks",
+            type=_positive_int,
+            default=None,
+            help="KV cache size in blocks (default: sized from free memory)",
+        )
+        parser.add_argument(
+            "--method",
+            choices=["dspark", "eagle3", "mtp"],
+            default=None,
+            help="speculative decoding method",
+        )
+        parser.add_argument("--draft-model", default=None, help="standalone draft")
+        parser.add_argument(
+            "--num-speculative-tokens",
+            type=_positive_int,
+            default=defaults.num_speculative_tokens,
+        )
+        parser.add_argument(
+            "--kv-role",
+            choices=["none", "kv_producer", "kv_consumer"],
+            default="none",
+        )
+        parser.add_argument(
+            "--pp-layer-partition",
+            type=_layer_partition,
+            default=None,
+            help="layers per pipeline stage, e.g. '24,23'",
+        )
+        parser.add_argument("--seed", type=int, default=None)
+        parser.add_argument(
+            "--trust-remote-code",
+            action="store_true",
+            help="accepted for compatibility; atom runs no remote code",
+        )
+        for names, hint in UNSUPPORTED_ENGINE_FLAGS.items():
+            parser.add_unsupported_argument(*names, hint=hint)
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, namespace: argparse.Namespace) -> "EngineArgs":
+        names = (f.name for f in dataclasses.fields(cls))
+        return cls(**{name: getattr(namespace, name) for name in names})
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for `LLMEngine`; unset optional fields are left to it."""
+        return {
+            name: value
+            for name, value in dataclasses.asdict(self).items()
+            if value is not None
+        }
+
+    def create_engine(self):
+        # Imported here so that parsing flags never pulls in torch.
+        from atom.model_engine.llm_engine import LLMEngine
+
+        return LLMEngine(**self.engine_kwargs())

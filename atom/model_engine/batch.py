@@ -1,0 +1,93 @@
+"""Messages that cross process boundaries: plain dataclasses of lists and ints."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SeqWork:
+    """One sequence's rows in one forward."""
+
+    seq_id: int
+    # Prefill chunk, or [last_token] followed by the drafts to verify.
+    token_ids: list[int]
+    # Tokens already in the caches before these rows (= position of the first row).
+    context_len: int
+    block_table: list[int]
+    state_slot: int
+    # The last stage samples (or verifies) this sequence in this forward.
+    sample: bool
+    # Drafts among token_ids: token_ids = [last, d1..dT]; 0 when not verifying.
+    num_spec_tokens: int
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int | None
+    # Copy the KDA state of this checkpoint slot into state_slot BEFORE the forward.
+    state_fork_src: int | None = None
+    # Copy the KDA state of state_slot into this checkpoint slot AFTER the forward.
+    state_save_dst: int | None = None
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def positions(self) -> range:
+        return range(self.context_len, self.context_len + len(self.token_ids))
+
+
+@dataclass
+class ScheduledBatch:
+    batch_id: int
+    seqs: list[SeqWork]
+    # (state_slot, num_accepted_rows) of sequences whose previous forward verified
+    # drafts; every stage applies them before running this batch.
+    spec_commits: list[tuple[int, int]] = field(default_factory=list)
+    # The last stage drops per-sequence sampler and draft state of these.
+    finished_seq_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(work.token_ids) for work in self.seqs)
+
+    @property
+    def produces_output(self) -> bool:
+        """Whether the last stage answers this batch with a BatchOutput."""
+        return any(work.sample for work in self.seqs)
+
+    @property
+    def sample_seq_ids(self) -> list[int]:
+        return [work.seq_id for work in self.seqs if work.sample]
+
+    @property
+    def is_verify(self) -> bool:
+        return any(work.num_spec_tokens for work in self.seqs)
+
+
+@dataclass
+class BatchOutput:
+    """Exactly one per output-producing batch, sent by the last stage."""
+
+    batch_id: int
+    # Sequences with sample=True, in batch order.
+    seq_ids: list[int]
+    # Emitted tokens per sequence: accepted drafts then the bonus/correction token.
+    token_ids: list[list[int]]
+    num_accepted: list[int]
+    # Next drafts per sequence ([] without speculation).
+    draft_token_ids: list[list[int]]
+
+    def __post_init__(self) -> None:
+        lengths = {
+            "token_ids": len(self.token_ids),
+            "num_accepted": len(self.num_accepted),
+            "draft_token_ids": len(self.draft_token_ids),
+        }
+        wrong = {k: n for k, n in lengths.items() if n != len(self.seq_ids)}
+        if wrong:
+            raise ValueError(
+                f"BatchOutput {self.batch_id}: {len(self.seq_ids)} seq_ids but "
+                f"lengths {wrong}"
+            )

@@ -1,0 +1,225 @@
+"""One rank's model: build, load, bind caches, and run scheduled batches.
+
+Stage order inside `execute`: commit the previous verify's KDA rows and fork prefix
+states -> receive the previous stage's payload -> forward -> save state checkpoints ->
+send to the next stage, or (last stage) write the draft's context KV, choose tokens,
+propose the next drafts and return the one BatchOutput of this batch.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from atom.config import Config, is_context_only_producer
+from atom.distributed.parallel_state import get_pp_group
+from atom.distributed.pp_comm import recv_tensor_dict, send_tensor_dict
+from atom.model_engine.batch import BatchOutput, ScheduledBatch, SeqWork
+from atom.model_engine.cache_engine import CacheEngine
+from atom.model_engine.memory_ledger import log_memory_ledger
+from atom.model_engine.model_inputs import prepare_inputs
+from atom.model_engine.step_sampler import StepSampler
+from atom.model_loader.loader import load_weights
+from atom.models.registry import check_pp_support, get_model_class
+from atom.models.utils import IntermediateTensors, language_model_of
+from atom.spec_decode.drafter import Drafter
+from atom.spec_decode.pp_aux_relay import AUX_KEY, PPAuxRelay
+from atom.utils.forward_context import ForwardContext, set_forward_context
+
+logger = logging.getLogger(__name__)
+
+# KV cache budget on CPU, where there is no device memory to measure.
+CPU_KV_BUDGET_BYTES = 1 << 30
+
+
+class ModelRunner:
+    def __init__(self, config: Config, device: torch.device) -> None:
+        check_pp_support(config)
+        self.config = config
+        self.device = device
+        self.dtype = config.torch_dtype
+        self.pp = get_pp_group()
+        self.is_last_stage = self.pp.is_last_rank
+        self.is_first_stage = self.pp.is_first_rank
+        self.model = self._build_model()
+        self.drafter = self._build_drafter()
+        self.relay = self._build_relay()
+        self.step_sampler = StepSampler(device)
+        self.cache: CacheEngine | None = None
+        log_memory_ledger(self.model, self.drafter)
+
+    def _build_model(self) -> torch.nn.Module:
+        cls = get_model_class(self.config.hf_config.architecture)
+        saved = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                model = cls(self.config)
+        finally:
+            torch.set_default_dtype(saved)
+        load_weights(model, self.config.model)
+        return model.eval()
+
+    def _build_drafter(self) -> Drafter | None:
+        if self.config.speculative_config is None or not self.is_last_stage:
+            return None
+        drafter = Drafter(self.config)
+        saved = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                drafter.load_model(self.model)
+        finally:
+            torch.set_default_dtype(saved)
+        return drafter
+
+    def _build_relay(self) -> PPAuxRelay | None:
+        spec = self.config.speculative_config
+        if spec is None or self.pp.world_size == 1:
+            return None
+        draft_cfg = spec.draft_hf_config
+        return PPAuxRelay(
+            language_model_of(self.model).model,
+            list(draft_cfg["target_layer_ids"]),
+            int(self.config.hf_config.text["hidden_size"]),
+            self.config.max_num_batched_tokens,
+            self.device,
+            self.dtype,
+        )
+
+    @property
+    def has_recurrent_state(self) -> bool:
+        return any(hasattr(m, "state_shapes") for m in self.model.modules())
+
+    def cache_modules(self) -> list[torch.nn.Module]:
+        return [self.model] + ([self.drafter.model] if self.drafter else [])
+
+    def num_state_slots(self, num_checkpoints: int) -> int:
+        return self.config.max_num_seqs + num_checkpoints
+
+    def max_kv_blocks(self, num_checkpoints: int) -> int:
+        """KV blocks this rank can hold; the engine takes the minimum over ranks."""
+        if self.config.num_kvcache_blocks:
+            return self.config.num_kvcache_blocks
+        probe = CacheEngine(
+            self.cache_modules(),
+            0,
+            self.config.block_size,
+            0,
+            0,
+            self.device,
+            self.dtype,
+        )
+        per_block = max(probe.kv_bytes_per_block(), 1)
+        state = probe.state_bytes_per_slot() * self.num_state_slots(num_checkpoints)
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * self.config.gpu_memory_utilization) - state
+        else:
+            budget = CPU_KV_BUDGET_BYTES - state
+        wanted = -(
+            -self.config.max_num_seqs
+            * self.config.max_model_len
+            // self.config.block_size
+        )
+        return max(1, min(wanted, budget // per_block))
+
+    def allocate_caches(self, num_blocks: int, num_checkpoints: int) -> None:
+        spec_rows = self.config.num_speculative_rows
+        self.cache = CacheEngine(
+            self.cache_modules(),
+            num_blocks,
+            self.config.block_size,
+            self.num_state_slots(num_checkpoints),
+            spec_rows + 1 if spec_rows else 0,
+            self.device,
+            self.dtype,
+        )
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> BatchOutput | None:
+        for slot, rows in batch.spec_commits:
+            self.cache.commit(slot, rows)
+        for work in batch.seqs:
+            if work.state_fork_src is not None:
+                self.cache.copy_state(work.state_fork_src, work.state_slot)
+        self.step_sampler.forget(batch.finished_seq_ids)
+        input_ids, positions, metadata = prepare_inputs(
+            batch.seqs, self.config.block_size, self.device
+        )
+        num_tokens = input_ids.numel()
+        received, taps_in = None, None
+        if not self.is_first_stage:
+            payload = recv_tensor_dict(self.device, self._expected_keys(num_tokens))
+            taps_in = payload.pop(AUX_KEY, None)
+            received = IntermediateTensors(payload)
+        with set_forward_context(ForwardContext(metadata)):
+            out = self.model(input_ids, positions, received)
+        for work in batch.seqs:
+            if work.state_save_dst is not None:
+                self.cache.copy_state(work.state_slot, work.state_save_dst)
+        if not self.is_last_stage:
+            payload = dict(out.items())
+            if self.relay is not None:
+                packed = self.relay.pack(taps_in, num_tokens)
+                if packed is not None:
+                    payload[AUX_KEY] = packed
+            send_tensor_dict(payload)
+            return None
+        return self._finish_on_last_stage(batch, out, positions, metadata, taps_in)
+
+    def _expected_keys(self, num_tokens: int) -> set[str]:
+        keys = set(
+            self.model.make_empty_intermediate_tensors(
+                num_tokens, self.dtype, self.device
+            )
+        )
+        if self.relay is not None and self.relay.incoming:
+            keys.add(AUX_KEY)
+        return keys
+
+    def _finish_on_last_stage(
+        self, batch, hidden, positions, metadata, taps_in
+    ) -> BatchOutput | None:
+        num_tokens = positions.numel()
+        if self.drafter is not None:
+            if self.relay is not None:
+                self.relay.absorb(taps_in, self.drafter.tap_buffers, num_tokens)
+            self.drafter.precompute_context_kv(
+                positions, metadata.slot_mapping, num_tokens
+            )
+        rows = StepSampler.rows_to_score(batch.seqs, metadata.query_start_loc)
+        if not rows:
+            return None
+        logits = self.model.compute_logits(hidden[rows])
+        seq_ids, emitted, accepted = self.step_sampler.choose(batch.seqs, logits)
+        drafts = self._propose(batch.seqs, emitted, accepted)
+        return BatchOutput(batch.batch_id, seq_ids, emitted, accepted, drafts)
+
+    def _propose(
+        self, seqs: list[SeqWork], emitted: list[list[int]], accepted: list[int]
+    ) -> list[list[int]]:
+        sampled = [work for work in seqs if work.sample]
+        if self.drafter is None or is_context_only_producer(self.config):
+            return [[] for _ in sampled]
+        anchors = [tokens[-1] for tokens in emitted]
+        # The anchor is committed right after the last accepted row.
+        positions = [
+            w.context_len + (a + 1 if w.num_spec_tokens else len(w.token_ids))
+            for w, a in zip(sampled, accepted)
+        ]
+        gens = [self.step_sampler.generator(w) for w in sampled]
+        draft_ids, draft_probs = self.drafter.propose(
+            anchors,
+            positions,
+            [w.block_table for w in sampled],
+            [w.temperature for w in sampled],
+            [w.top_k for w in sampled],
+            [w.top_p for w in sampled],
+            gens,
+        )
+        if draft_probs is not None:
+            for work, probs in zip(sampled, draft_probs):
+                self.step_sampler.draft_probs[work.seq_id] = probs.float().cpu()
+        return draft_ids.tolist()

@@ -1,0 +1,487 @@
+"""Continuous batching over paged KV blocks, recurrent-state slots and drafts.
+
+Policy (as nano-vllm and ATOM): prefill first. A batch is either a prefill batch
+(chunks of sequences with more than one uncomputed token, plus new admissions) or
+a decode batch (`[last]` plus up to T drafts per sequence), never both, so every
+row of a verify forward is verify-shaped.
+
+Several batches may be in flight (pipeline parallelism): a prefill chunk advances
+`num_computed_tokens` when it is scheduled, so the next chunk can follow at once,
+while a sequence waiting for sampled tokens has nothing left to run and is skipped
+until `postprocess` appends them. Every stage runs batches in `batch_id` order,
+which is what makes scheduling ahead of the outputs safe.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from atom.model_engine.batch import BatchOutput, ScheduledBatch, SeqWork
+from atom.model_engine.block_manager import BlockManager
+from atom.model_engine.sequence import Sequence, SequenceStatus
+from atom.model_engine.state_cache import StateCheckpointPool, StateSlotAllocator
+from atom.spec_decode.metrics import SpecDecodeStats
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    kv_blocks_used: int
+    kv_blocks_free: int
+    kv_blocks_total: int
+    kv_usage: float
+    num_preemptions: int
+    prefix_queried_tokens: int
+    prefix_hit_tokens: int
+    prompt_tokens: int
+    generation_tokens: int
+
+
+class Scheduler:
+    def __init__(
+        self,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        block_size: int,
+        num_kv_blocks: int,
+        enable_prefix_caching: bool = True,
+        enable_chunked_prefill: bool = True,
+        has_recurrent_state: bool = False,
+        num_speculative_tokens: int = 0,
+        eos_token_id: int | Iterable[int] | None = None,
+        num_state_checkpoints: int = 0,
+    ) -> None:
+        for name, value in [
+            ("max_num_seqs", max_num_seqs),
+            ("max_num_batched_tokens", max_num_batched_tokens),
+            ("max_model_len", max_model_len),
+            ("block_size", block_size),
+            ("num_kv_blocks", num_kv_blocks),
+        ]:
+            if value < 1:
+                raise ValueError(f"Scheduler: {name} must be >= 1, got {value}")
+        if num_speculative_tokens < 0 or num_state_checkpoints < 0:
+            raise ValueError(
+                "Scheduler: num_speculative_tokens and num_state_checkpoints must be "
+                f">= 0, got {num_speculative_tokens} and {num_state_checkpoints}"
+            )
+        if max_num_batched_tokens < num_speculative_tokens + 1:
+            raise ValueError(
+                f"Scheduler: max_num_batched_tokens={max_num_batched_tokens} cannot "
+                f"hold one verify of {num_speculative_tokens + 1} rows"
+            )
+        if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
+            raise ValueError(
+                f"Scheduler: without chunked prefill max_num_batched_tokens="
+                f"{max_num_batched_tokens} must be >= max_model_len={max_model_len}"
+            )
+        # Drafter block rows sit after the last verify row, so a sequence may hold
+        # positions up to max_model_len - 2 + T.
+        worst_blocks = -(-(max_model_len - 1 + num_speculative_tokens) // block_size)
+        if worst_blocks > num_kv_blocks:
+            raise ValueError(
+                f"Scheduler: one sequence of max_model_len={max_model_len} needs "
+                f"{worst_blocks} KV blocks of {block_size} tokens but the cache has "
+                f"{num_kv_blocks}; lower max_model_len or give the cache more memory"
+            )
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.has_recurrent_state = has_recurrent_state
+        self.num_speculative_tokens = num_speculative_tokens
+        if eos_token_id is None:
+            self.eos_token_ids: frozenset[int] = frozenset()
+        elif isinstance(eos_token_id, int):
+            self.eos_token_ids = frozenset([eos_token_id])
+        else:
+            self.eos_token_ids = frozenset(eos_token_id)
+
+        checkpointing = has_recurrent_state and enable_prefix_caching
+        self.checkpoints = StateCheckpointPool(
+            max_num_seqs, num_state_checkpoints if checkpointing else 0
+        )
+        self.block_manager = BlockManager(
+            num_kv_blocks,
+            block_size,
+            enable_prefix_caching,
+            on_hash_evicted=self.checkpoints.invalidate,
+        )
+        self.state_slots = StateSlotAllocator(max_num_seqs)
+        self.spec_stats = (
+            SpecDecodeStats(num_speculative_tokens) if num_speculative_tokens else None
+        )
+
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._live: dict[int, Sequence] = {}
+        self._by_request: dict[str, Sequence] = {}
+        self._next_batch_id = 0
+        self._pending_commits: dict[int, tuple[int, int]] = {}
+        self._pending_finished: list[int] = []
+        self.num_preemptions = 0
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+
+    @property
+    def num_state_slots(self) -> int:
+        """Request slots 0..max_num_seqs-1, then the checkpoint slots."""
+        return self.max_num_seqs + self.checkpoints.num_slots
+
+    # ---- requests ----
+    def add(self, seq: Sequence) -> None:
+        if seq.status is not SequenceStatus.WAITING or seq.seq_id in self._live:
+            raise ValueError(f"sequence {seq.seq_id} was already added")
+        if seq.request_id in self._by_request:
+            raise ValueError(f"request id {seq.request_id!r} is already in use")
+        if seq.num_tokens >= self.max_model_len:
+            raise ValueError(
+                f"prompt of {seq.num_tokens} tokens leaves no room to generate "
+                f"within max_model_len={self.max_model_len}"
+            )
+        self.waiting.append(seq)
+        self._live[seq.seq_id] = seq
+        self._by_request[seq.request_id] = seq
+        self.num_prompt_tokens += seq.num_prompt_tokens
+
+    def abort(self, request_id: str, finish_reason: str = "abort") -> Sequence | None:
+        """Finish a request now (also used for stop strings); None if unknown."""
+        seq = self._by_request.get(request_id)
+        if seq is not None:
+            self._finish(seq, finish_reason)
+        return seq
+
+    def is_finished(self) -> bool:
+        return not self.waiting and not self.running
+
+    def stats(self) -> SchedulerStats:
+        bm = self.block_manager
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_blocks_used=bm.num_used_blocks,
+            kv_blocks_free=bm.num_free_blocks,
+            kv_blocks_total=bm.num_total_blocks,
+            kv_usage=bm.usage,
+            num_preemptions=self.num_preemptions,
+            prefix_queried_tokens=bm.num_queried_tokens,
+            prefix_hit_tokens=bm.num_hit_tokens,
+            prompt_tokens=self.num_prompt_tokens,
+            generation_tokens=self.num_generation_tokens,
+        )
+
+    # ---- scheduling ----
+    def schedule(self) -> ScheduledBatch | None:
+        works = self._schedule_prefill() or self._schedule_decode()
+        if not works:
+            return None
+        batch = ScheduledBatch(
+            batch_id=self._next_batch_id,
+            seqs=works,
+            spec_commits=list(self._pending_commits.values()),
+            finished_seq_ids=self._pending_finished,
+        )
+        self._next_batch_id += 1
+        self._pending_commits = {}
+        self._pending_finished = []
+        for work in works:
+            if work.sample:
+                self._live[work.seq_id].in_flight_batch_id = batch.batch_id
+        return batch
+
+    def _schedule_prefill(self) -> list[SeqWork]:
+        budget = self.max_num_batched_tokens
+        works: list[SeqWork] = []
+        for seq in self.running:
+            if budget == 0:
+                break
+            if seq.num_uncomputed_tokens > 1:
+                work = self._next_chunk(seq, budget)
+                if work is not None:
+                    works.append(work)
+                    budget -= work.num_rows
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not self._admit(seq, budget):
+                break
+            self.waiting.popleft()
+            self.running.append(seq)
+            work = self._next_chunk(seq, budget)
+            works.append(work)
+            budget -= work.num_rows
+        # Blocks and checkpoints written by this batch become hits only for later
+        # batches: nothing guarantees a forward reads rows it writes itself.
+        for work in works:
+            seq = self._live[work.seq_id]
+            self.block_manager.cache_full_blocks(seq, seq.num_computed_tokens)
+        self.checkpoints.publish()
+        return works
+
+    def _admit(self, seq: Sequence, budget: int) -> bool:
+        if not self.state_slots.can_allocate():
+            return False
+        num_cached_blocks, fork_src = self._usable_prefix(seq)
+        if self._chunk_plan(seq, num_cached_blocks * self.block_size, budget) is None:
+            return False
+        bm = self.block_manager
+        lookahead = self.num_speculative_tokens
+        if not bm.can_allocate(seq, num_cached_blocks, lookahead):
+            return False
+        bm.allocate(seq, num_cached_blocks, lookahead)
+        seq.state_slot = self.state_slots.allocate()
+        seq.state_fork_src = fork_src
+        seq.num_computed_tokens = seq.num_cached_tokens
+        seq.status = SequenceStatus.RUNNING
+        return True
+
+    def _usable_prefix(self, seq: Sequence) -> tuple[int, int | None]:
+        """(cached blocks to reuse, checkpoint slot to fork the state from)."""
+        num_blocks = self.block_manager.num_cached_prefix_blocks(seq)
+        if not self.has_recurrent_state:
+            return num_blocks, None
+        # KV alone cannot resume a recurrent layer: cut back to a saved state.
+        for j in range(num_blocks, 0, -1):
+            slot = self.checkpoints.lookup(self.block_manager.block_hash(seq, j - 1))
+            if slot is not None:
+                return j, slot
+        return 0, None
+
+    def _chunk_plan(
+        self, seq: Sequence, start: int, budget: int
+    ) -> tuple[int, int | None] | None:
+        """(end of the next prefill chunk, hash to checkpoint there or None), or None
+        when the chunk does not fit the budget and may not be split."""
+        end = seq.num_tokens
+        save_hash = None
+        if self.checkpoints.num_slots:
+            # The state at the prompt's last full-block boundary makes the next
+            # request with this prefix resumable, so a chunk ends exactly there.
+            boundary = seq.num_prompt_tokens // self.block_size * self.block_size
+            if boundary > start:
+                block_hash = self.block_manager.block_hash(
+                    seq, boundary // self.block_size - 1
+                )
+                if block_hash not in self.checkpoints:
+                    end, save_hash = boundary, block_hash
+        if end - start > budget:
+            if not self.enable_chunked_prefill:
+                return None
+            end, save_hash = start + budget, None
+        return end, save_hash
+
+    def _next_chunk(self, seq: Sequence, budget: int) -> SeqWork | None:
+        start = seq.num_computed_tokens
+        plan = self._chunk_plan(seq, start, budget)
+        if plan is None:
+            return None
+        end, save_hash = plan
+        save_dst = None if save_hash is None else self.checkpoints.reserve(save_hash)
+        fork_src, seq.state_fork_src = seq.state_fork_src, None
+        seq.num_computed_tokens = end
+        return self._work(
+            seq, seq.token_ids[start:end], start, end == seq.num_tokens, 0,
+            fork_src, save_dst,
+        )  # fmt: skip
+
+    def _schedule_decode(self) -> list[SeqWork]:
+        budget = self.max_num_batched_tokens
+        works: list[SeqWork] = []
+        scheduled: set[int] = set()
+        for seq in list(self.running):
+            if seq.status is not SequenceStatus.RUNNING or seq.num_uncomputed_tokens != 1:
+                continue
+            num_spec = self._num_verify_tokens(seq)
+            if 1 + num_spec > budget:
+                break
+            if not self._make_room(seq, num_spec, scheduled):
+                continue
+            start = seq.num_computed_tokens
+            seq.num_computed_tokens += 1
+            rows = [seq.last_token] + seq.spec_token_ids[:num_spec]
+            works.append(self._work(seq, rows, start, True, num_spec))
+            scheduled.add(seq.seq_id)
+            budget -= len(rows)
+        return works
+
+    def _num_verify_tokens(self, seq: Sequence) -> int:
+        """T_eff: drafts to verify without passing max_tokens or max_model_len."""
+        if not self.num_speculative_tokens:
+            return 0
+        remaining = seq.sampling_params.max_tokens - seq.num_output_tokens
+        room = self.max_model_len - seq.num_tokens
+        limit = min(self.num_speculative_tokens, len(seq.spec_token_ids))
+        return max(0, min(limit, remaining - 1, room - 1))
+
+    def _make_room(self, seq: Sequence, num_spec: int, scheduled: set[int]) -> bool:
+        """Blocks for the verify rows and the drafter's block rows, preempting the
+        latest admitted sequences if needed; False if seq itself was preempted."""
+        num_new = num_spec + self.num_speculative_tokens
+        while not self.block_manager.can_append(seq, num_new):
+            victim = next(
+                (
+                    s
+                    for s in reversed(self.running)
+                    if s is not seq and s.seq_id not in scheduled
+                ),
+                None,
+            )
+            if victim is None:
+                self._preempt(seq)
+                return False
+            self._preempt(victim)
+        self.block_manager.may_append(seq, num_new)
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free everything the sequence holds; it is recomputed from scratch later.
+        An output still in flight for it is ignored by postprocess."""
+        self._release(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = 0
+        seq.spec_token_ids = []
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def _release(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.deallocate(seq)
+        self.state_slots.free(seq.state_slot)
+        seq.state_slot = None
+        seq.state_fork_src = None
+        seq.in_flight_batch_id = None
+        self._pending_commits.pop(seq.seq_id, None)
+
+    def _work(
+        self,
+        seq: Sequence,
+        token_ids: list[int],
+        context_len: int,
+        sample: bool,
+        num_spec_tokens: int,
+        state_fork_src: int | None = None,
+        state_save_dst: int | None = None,
+    ) -> SeqWork:
+        sp = seq.sampling_params
+        return SeqWork(
+            seq_id=seq.seq_id,
+            token_ids=token_ids,
+            context_len=context_len,
+            block_table=list(seq.block_table),
+            state_slot=seq.state_slot,
+            sample=sample,
+            num_spec_tokens=num_spec_tokens,
+            temperature=sp.temperature,
+            top_k=sp.top_k,
+            top_p=sp.top_p,
+            seed=sp.seed,
+            state_fork_src=state_fork_src,
+            state_save_dst=state_save_dst,
+        )
+
+    # ---- results ----
+    def postprocess(
+        self, batch: ScheduledBatch, output: BatchOutput | None
+    ) -> list[Sequence]:
+        """Apply one batch's output; returns the sequences that finished."""
+        works = [work for work in batch.seqs if work.sample]
+        expected = [work.seq_id for work in works]
+        if output is None:
+            if expected:
+                raise RuntimeError(
+                    f"batch {batch.batch_id} samples sequences {expected} but was "
+                    f"postprocessed without a BatchOutput"
+                )
+            return []
+        if output.batch_id != batch.batch_id:
+            raise RuntimeError(
+                f"BatchOutput of batch {output.batch_id} arrived while postprocessing "
+                f"batch {batch.batch_id}: the pipeline is out of step"
+            )
+        if output.seq_ids != expected:
+            raise RuntimeError(
+                f"BatchOutput of batch {batch.batch_id} covers sequences "
+                f"{output.seq_ids}, expected {expected}"
+            )
+        finished = []
+        for work, tokens, accepted, drafts in zip(
+            works, output.token_ids, output.num_accepted, output.draft_token_ids
+        ):
+            self._check_result(batch.batch_id, work, tokens, accepted, drafts)
+            seq = self._live.get(work.seq_id)
+            if seq is None or seq.in_flight_batch_id != batch.batch_id:
+                continue  # aborted or preempted while the batch ran
+            seq.in_flight_batch_id = None
+            if work.num_spec_tokens:
+                # Counted before stop truncation: it measures the drafter.
+                self.spec_stats.record(work.num_spec_tokens, accepted)
+            seq.num_computed_tokens += accepted
+            reason = self._append_tokens(seq, tokens)
+            if reason is not None:
+                self._finish(seq, reason)
+                finished.append(seq)
+                continue
+            seq.spec_token_ids = list(drafts)
+            if work.num_spec_tokens:
+                self._pending_commits[seq.seq_id] = (seq.state_slot, accepted + 1)
+        return finished
+
+    def _check_result(
+        self,
+        batch_id: int,
+        work: SeqWork,
+        tokens: list[int],
+        accepted: int,
+        drafts: list[int],
+    ) -> None:
+        where = f"BatchOutput of batch {batch_id}, sequence {work.seq_id}"
+        if not 0 <= accepted <= work.num_spec_tokens:
+            raise RuntimeError(
+                f"{where}: {accepted} accepted drafts but {work.num_spec_tokens} "
+                f"were verified"
+            )
+        if len(tokens) != accepted + 1:
+            raise RuntimeError(
+                f"{where}: {len(tokens)} emitted tokens for {accepted} accepted drafts"
+            )
+        if tokens[:accepted] != work.token_ids[1 : 1 + accepted]:
+            raise RuntimeError(
+                f"{where}: accepted tokens {tokens[:accepted]} differ from the drafts "
+                f"{work.token_ids[1 : 1 + accepted]}"
+            )
+        if len(drafts) > self.num_speculative_tokens:
+            raise RuntimeError(
+                f"{where}: {len(drafts)} drafts, at most "
+                f"{self.num_speculative_tokens} expected"
+            )
+
+    def _append_tokens(self, seq: Sequence, tokens: list[int]) -> str | None:
+        """Append token by token; stop at the first stop condition, dropping the
+        rest. Stop strings are the detokenizer's job (it calls `abort`)."""
+        sp = seq.sampling_params
+        for token in tokens:
+            seq.append_token(token)
+            self.num_generation_tokens += 1
+            if not sp.ignore_eos and token in self.eos_token_ids:
+                return "stop"
+            if seq.num_output_tokens >= sp.max_tokens:
+                return "length"
+            if seq.num_tokens >= self.max_model_len:
+                return "length"
+        return None
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        if seq.status is SequenceStatus.RUNNING:
+            self._release(seq)
+        else:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        del self._live[seq.seq_id]
+        del self._by_request[seq.request_id]
+        self._pending_finished.append(seq.seq_id)

@@ -1,0 +1,107 @@
+"""One request's state as the scheduler sees it (tokens, caches, speculation)."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from enum import Enum, auto
+
+from atom.sampling_params import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+class Sequence:
+    """Request state. Plain python data only, so it pickles cheaply.
+
+    `num_computed_tokens` counts the tokens whose KV and state are in the caches or
+    are being written by a batch already scheduled; drafts are never counted before
+    they are accepted.
+    """
+
+    _next_id = itertools.count()
+
+    def __init__(
+        self,
+        token_ids: list[int],
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        if not isinstance(token_ids, list) or not token_ids:
+            raise ValueError("Sequence needs a non-empty list of prompt token ids")
+        bad = [t for t in token_ids if not isinstance(t, int) or t < 0]
+        if bad:
+            raise ValueError(
+                f"Sequence prompt token ids must be non-negative ints, got {bad[:5]}"
+            )
+        self.seq_id: int = next(Sequence._next_id)
+        self.request_id: str = (
+            request_id if request_id is not None else str(self.seq_id)
+        )
+        self.token_ids: list[int] = list(token_ids)
+        self.num_prompt_tokens: int = len(token_ids)
+        self.sampling_params: SamplingParams = sampling_params or SamplingParams()
+        self.status = SequenceStatus.WAITING
+        # time.monotonic() clock.
+        self.arrival_time: float = (
+            arrival_time if arrival_time is not None else time.monotonic()
+        )
+        self.finish_reason: str | None = None
+
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        self.num_cached_tokens = 0
+        # xxh64 chain over the full blocks of token_ids (grows with the tokens).
+        self.block_hashes: list[int] = []
+        # Leading entries of block_table registered in the prefix cache.
+        self.num_hashed_blocks = 0
+
+        self.state_slot: int | None = None
+        # Prefix hit on a hybrid model: checkpoint to copy into state_slot first.
+        self.state_fork_src: int | None = None
+        self.spec_token_ids: list[int] = []
+        # The batch whose output this sequence waits for (None when none).
+        self.in_flight_batch_id: int | None = None
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence(seq_id={self.seq_id}, request_id={self.request_id!r}, "
+            f"status={self.status.name}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens})"
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def last_token(self) -> int:
+        return self.token_ids[-1]
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)

@@ -1,0 +1,46 @@
+"""Attention Residuals (AttnRes) mix, spec 4.2 (arXiv 2603.15031).
+
+A softmax over the closed blocks and the current partial sum, scored by a learned
+projection of each RMS-normalised candidate, replaces the residual stream in K3.
+"""
+
+import torch
+
+
+def attn_res_mix(
+    bank: torch.Tensor | None,
+    partial: torch.Tensor,
+    norm_weight: torch.Tensor,
+    proj_weight: torch.Tensor,
+    eps: float,
+) -> torch.Tensor:
+    """Mix of bank [T, nB, H] blocks and partial [T, H] (last candidate).
+
+    score_j = sum_d c_j * w_n * w_p / sqrt(mean(c_j^2) + eps); alpha = softmax(score);
+    mix = sum_j alpha_j * c_j over the raw candidates, in fp32, returned in
+    partial.dtype. With no bank blocks the result is `partial` itself.
+    """
+    if partial.dim() != 2:
+        raise ValueError(f"partial must be [T, H], got {tuple(partial.shape)}")
+    tokens, hidden = partial.shape
+    if bank is None or bank.shape[1] == 0:
+        return partial
+    if bank.dim() != 3 or bank.shape[0] != tokens or bank.shape[2] != hidden:
+        raise ValueError(
+            f"bank must be [{tokens}, nB, {hidden}], got {tuple(bank.shape)}"
+        )
+    if norm_weight.numel() != hidden or proj_weight.numel() != hidden:
+        raise ValueError(
+            f"norm_weight {tuple(norm_weight.shape)} and proj_weight "
+            f"{tuple(proj_weight.shape)} must each hold {hidden} values"
+        )
+    candidates = torch.cat([bank.float(), partial.float().unsqueeze(1)], dim=1)
+    # The norm weight and the 1-row projection fold into one scoring vector.
+    score_vector = norm_weight.float().reshape(hidden) * proj_weight.float().reshape(
+        hidden
+    )
+    inv_rms = torch.rsqrt(candidates.pow(2).mean(dim=-1) + eps)
+    scores = (candidates @ score_vector) * inv_rms
+    weights = torch.softmax(scores, dim=1)
+    mix = (weights.unsqueeze(-1) * candidates).sum(dim=1)
+    return mix.to(partial.dtype)

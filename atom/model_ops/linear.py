@@ -1,0 +1,143 @@
+"""Linear layers whose weights are split across the tensor-parallel group.
+
+Each parameter carries a `weight_loader(param, checkpoint_tensor[, shard_id])` that
+takes the full checkpoint tensor and keeps this rank's slice.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from atom.distributed.parallel_state import get_tp_group
+
+
+def check_shape(param: torch.Tensor, loaded: torch.Tensor, what: str = "") -> None:
+    if tuple(param.shape) != tuple(loaded.shape):
+        raise ValueError(
+            f"shape mismatch{' for ' + what if what else ''}: checkpoint tensor "
+            f"{tuple(loaded.shape)} vs parameter {tuple(param.shape)}"
+        )
+
+
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    check_shape(param, loaded)
+    param.data.copy_(loaded)
+
+
+def shard_of(loaded: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
+    """Rank `rank`'s contiguous slice of `loaded` along `dim` (must divide evenly)."""
+    if loaded.shape[dim] % size:
+        raise ValueError(
+            f"checkpoint dim {dim} of shape {tuple(loaded.shape)} does not divide "
+            f"across {size} tensor-parallel ranks"
+        )
+    step = loaded.shape[dim] // size
+    return loaded.narrow(dim, rank * step, step)
+
+
+def divide(numerator: int, denominator: int, what: str) -> int:
+    if numerator % denominator:
+        raise ValueError(f"{what}={numerator} is not divisible by tp={denominator}")
+    return numerator // denominator
+
+
+class LinearBase(nn.Module):
+    """y = x W^T (+ b) with a TP-sharded W; subclasses choose the split."""
+
+    tp_dim: int | None = None
+
+    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+        super().__init__()
+        tp = get_tp_group()
+        self.tp_rank, self.tp_size = tp.rank_in_group, tp.world_size
+        self.weight = nn.Parameter(
+            torch.empty(out_features, in_features), requires_grad=False
+        )
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        if self.tp_dim is not None and self.tp_dim < loaded.dim():
+            loaded = shard_of(loaded, self.tp_dim, self.tp_rank, self.tp_size)
+        default_weight_loader(param, loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ReplicatedLinear(LinearBase):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+        super().__init__(input_size, output_size, bias)
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output features split across ranks; each rank returns its slice."""
+
+    tp_dim = 0
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+        tp_size = get_tp_group().world_size
+        super().__init__(input_size, divide(output_size, tp_size, "output_size"), bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections in one weight, each sharded on its own.
+
+    A rank holds [a_r; b_r; ...], not a slice of the concatenation.
+    """
+
+    def __init__(
+        self, input_size: int, output_sizes: list[int], bias: bool = False
+    ) -> None:
+        self.output_sizes = output_sizes
+        super().__init__(input_size, sum(output_sizes), bias)
+        self.weight.expected_shards = set(range(len(output_sizes)))
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None
+    ) -> None:
+        if shard_id is None:
+            raise ValueError("a merged projection loads one shard at a time (shard_id)")
+        local = [size // self.tp_size for size in self.output_sizes]
+        offset = sum(local[:shard_id])
+        target = param.data.narrow(0, offset, local[shard_id])
+        piece = shard_of(loaded, 0, self.tp_rank, self.tp_size)
+        check_shape(target, piece, f"shard {shard_id}")
+        target.copy_(piece)
+
+
+class RowParallelLinear(LinearBase):
+    """Input features split across ranks; partial products are summed (all-reduce)."""
+
+    tp_dim = 1
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        reduce_results: bool = True,
+    ) -> None:
+        tp_size = get_tp_group().world_size
+        super().__init__(divide(input_size, tp_size, "input_size"), output_size, bias)
+        self.reduce_results = reduce_results
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        if loaded.dim() == 1:  # the bias is not split
+            default_weight_loader(param, loaded)
+        else:
+            super().weight_loader(param, loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        if self.reduce_results:
+            y = get_tp_group().all_reduce(y)
+        if self.bias is not None:
+            y = y + self.bias
+        return y

@@ -1,0 +1,229 @@
+"""Kimi Delta Attention layer with per-sequence conv / recurrent state (spec 4.3).
+
+Heads are split across TP ranks: every per-channel or per-head tensor (projections,
+convs, dt_bias, A_log, b_proj) keeps this rank's heads; o_proj reduces.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from atom.distributed.parallel_state import get_tp_group
+from atom.model_ops.kda import (
+    causal_conv1d,
+    conv_state_after_each_row,
+    kda_forget_gate,
+    kda_output_norm_gate,
+    l2_normalize,
+)
+from atom.model_ops.kda_backend import KDABackend, select_kda_backend
+from atom.model_ops.layernorm import RMSNorm
+from atom.model_ops.linear import (
+    ColumnParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+    check_shape,
+    shard_of,
+)
+from atom.models.kimi_k3.config import KimiTextConfig
+from atom.utils.forward_context import AttentionMetadata, get_forward_context
+
+
+def fp32_channel_sharded(*shape: int) -> nn.Parameter:
+    """An fp32 parameter whose dim 0 is this rank's slice of the checkpoint's."""
+    tp = get_tp_group()
+    param = nn.Parameter(torch.empty(*shape, dtype=torch.float32), requires_grad=False)
+
+    def load(param: nn.Parameter, loaded: torch.Tensor) -> None:
+        piece = shard_of(loaded, 0, tp.rank_in_group, tp.world_size)
+        check_shape(param, piece)
+        param.data.copy_(piece)
+
+    param.weight_loader = load
+    return param
+
+
+class ConvWeight(nn.Module):
+    """Holds one depthwise conv weight [C/tp, 1, K] (checkpoint `*_conv1d.weight`)."""
+
+    def __init__(self, channels: int, kernel_size: int) -> None:
+        super().__init__()
+        self.weight = fp32_channel_sharded(channels, 1, kernel_size)
+
+
+def require_metadata(layer: str) -> AttentionMetadata:
+    metadata = get_forward_context().attn_metadata
+    if metadata is None:
+        raise RuntimeError(
+            f"{layer} needs attention metadata: run the forward inside "
+            "set_forward_context(ForwardContext(metadata))"
+        )
+    return metadata
+
+
+class KimiDeltaAttention(nn.Module):
+    def __init__(self, config: KimiTextConfig, prefix: str = "") -> None:
+        super().__init__()
+        tp = get_tp_group()
+        self.tp_rank, self.tp_size = tp.rank_in_group, tp.world_size
+        self.prefix = prefix
+        hidden, dim = config.hidden_size, config.kda_head_dim
+        self.total_heads = config.kda_heads
+        self.heads = config.kda_heads // self.tp_size
+        self.head_dim = dim
+        self.kernel_size = config.conv_kernel_size
+        self.lower_bound = config.gate_lower_bound
+        self.eps = config.rms_norm_eps
+        width = config.kda_heads * dim
+        self.local_width = width // self.tp_size
+
+        self.q_proj = ColumnParallelLinear(hidden, width)
+        self.k_proj = ColumnParallelLinear(hidden, width)
+        self.v_proj = ColumnParallelLinear(hidden, width)
+        self.q_conv1d = ConvWeight(self.local_width, self.kernel_size)
+        self.k_conv1d = ConvWeight(self.local_width, self.kernel_size)
+        self.v_conv1d = ConvWeight(self.local_width, self.kernel_size)
+        self.f_a_proj = ReplicatedLinear(hidden, dim)
+        self.f_b_proj = ColumnParallelLinear(dim, width)
+        self.b_proj = ColumnParallelLinear(hidden, config.kda_heads)
+        if config.use_full_rank_gate:
+            self.g_proj = ColumnParallelLinear(hidden, width)
+        else:
+            self.g_a_proj = ReplicatedLinear(hidden, dim)
+            self.g_b_proj = ColumnParallelLinear(dim, width)
+        self.A_log = nn.Parameter(
+            torch.empty(self.heads, dtype=torch.float32), requires_grad=False
+        )
+        self.A_log.weight_loader = self._load_a_log
+        self.dt_bias = fp32_channel_sharded(self.local_width)
+        self.o_norm = RMSNorm(dim, eps=self.eps).float()
+        self.o_proj = RowParallelLinear(width, hidden)
+        self._backend: KDABackend | None = None
+        # Bound by the CacheEngine.
+        self.conv_state: torch.Tensor | None = None
+        self.ssm_state: torch.Tensor | None = None
+        self.conv_snapshots: torch.Tensor | None = None
+        self.ssm_snapshots: torch.Tensor | None = None
+
+    def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Per-slot (conv [3P/tp, K-1] model dtype, recurrent [h/tp, Dv, Dk] fp32)."""
+        conv = (3 * self.local_width, self.kernel_size - 1)
+        ssm = (self.heads, self.head_dim, self.head_dim)
+        return conv, ssm
+
+    def _load_a_log(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        # Checkpoints store [n] or legacy [1, 1, n, 1], with n >= heads (K3: 128 for
+        # 96); the first `heads` entries are the real ones.
+        legacy = loaded.dim() == 4 and loaded.shape[:2] == (1, 1) and loaded.shape[3] == 1
+        if loaded.dim() != 1 and not legacy:
+            raise ValueError(
+                f"A_log must be [n] or [1, 1, n, 1], got {tuple(loaded.shape)}"
+            )
+        flat = loaded.reshape(-1)
+        if flat.numel() < self.total_heads:
+            raise ValueError(
+                f"A_log holds {flat.numel()} entries for {self.total_heads} KDA heads"
+            )
+        mine = flat[: self.total_heads].narrow(0, self.tp_rank * self.heads, self.heads)
+        param.data.copy_(mine)
+
+    def _conv_weight(self) -> torch.Tensor:
+        weights = (self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight)
+        return torch.cat(weights, dim=0)[:, 0, :]
+
+    def _require_cache(self) -> None:
+        if self.conv_state is None or self.ssm_state is None:
+            raise RuntimeError(
+                f"KDA layer {self.prefix!r} has no state cache; bind one with CacheEngine"
+            )
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        metadata = require_metadata(f"KDA layer {self.prefix!r}")
+        self._require_cache()
+        if self._backend is None:
+            self._backend = select_kda_backend(x.device)
+        tokens = x.shape[0]
+        mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        low_rank = self.f_b_proj(self.f_a_proj(x))
+        log_decay = kda_forget_gate(
+            low_rank.view(tokens, self.heads, self.head_dim),
+            self.A_log,
+            self.dt_bias,
+            self.lower_bound,
+        )
+        # The write strength is formed in fp32: bf16 here measurably costs accuracy.
+        beta = torch.sigmoid(F.linear(x.float(), self.b_proj.weight.float()))
+        conv_weight = self._conv_weight()
+        outputs = []
+        for i in range(metadata.num_seqs):
+            rows = metadata.rows(i)
+            verify = bool(metadata.verify[i]) if metadata.verify else False
+            outputs.append(
+                self._run_sequence(
+                    mixed[rows],
+                    log_decay[rows],
+                    beta[rows],
+                    conv_weight,
+                    metadata.state_slots[i],
+                    metadata.context_lens[i] > 0,
+                    verify,
+                )
+            )
+        o = torch.cat(outputs, dim=0)
+        gate = self.g_proj(x) if hasattr(self, "g_proj") else self.g_b_proj(
+            self.g_a_proj(x)
+        )
+        y = kda_output_norm_gate(o, self.o_norm.weight, gate, self.eps)
+        return self.o_proj(y.to(x.dtype))
+
+    def _run_sequence(
+        self,
+        mixed: torch.Tensor,
+        log_decay: torch.Tensor,
+        beta: torch.Tensor,
+        conv_weight: torch.Tensor,
+        slot: int,
+        continues: bool,
+        verify: bool,
+    ) -> torch.Tensor:
+        """One sequence's rows: conv + recurrence, updating (or snapshotting) state."""
+        rows = mixed.shape[0]
+        if continues:
+            conv_in, ssm_in = self.conv_state[slot], self.ssm_state[slot]
+        else:
+            # A fresh sequence starts from zeros whatever the slot last held.
+            conv_in = torch.zeros_like(self.conv_state[slot])
+            ssm_in = None
+        conved, conv_out = causal_conv1d(mixed, conv_weight, conv_in)
+        q, k, v = (
+            part.reshape(rows, self.heads, self.head_dim)
+            for part in conved.split(self.local_width, dim=-1)
+        )
+        q, k = l2_normalize(q), l2_normalize(k)
+        if verify:
+            if self.ssm_snapshots is None or self.conv_snapshots is None:
+                raise RuntimeError(
+                    f"KDA layer {self.prefix!r} verifies drafts but no snapshot "
+                    "buffers are bound (CacheEngine num_spec_rows=0)"
+                )
+            if rows > self.ssm_snapshots.shape[1]:
+                raise RuntimeError(
+                    f"{rows} verify rows exceed the {self.ssm_snapshots.shape[1]} "
+                    "snapshot rows bound"
+                )
+            o, _, states = self._backend.decode(
+                q, k, v, log_decay, beta, ssm_in, return_all_states=True
+            )
+            # State stays put; commit(slot, accepted) copies the chosen row later.
+            self.ssm_snapshots[slot, :rows] = states
+            self.conv_snapshots[slot, :rows] = conv_state_after_each_row(mixed, conv_in)
+            return o
+        if rows == 1:
+            o, final = self._backend.decode(q, k, v, log_decay, beta, ssm_in)
+        else:
+            o, final = self._backend.prefill(q, k, v, log_decay, beta, ssm_in)
+        self.ssm_state[slot] = final
+        self.conv_state[slot] = conv_out
+        return o

@@ -1,0 +1,97 @@
+"""One Kimi decoder layer: KDA or MLA, then a dense MLP or MoE (spec 4.1).
+
+Layers pass `(hidden_states, residual, block_residual)` along. `hidden_states` is the
+previous layer's FFN output, not yet added: the layer adds it first, so a pipeline
+stage (or a DSpark tap) can fold it in exactly once.
+
+- Plain residual: `residual` is the stream before that add.
+- AttnRes: `residual` is the current block's partial sum p, and `block_residual` the
+  bank B [N, nB, H] of closed blocks; banking happens after the attention-site mix.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from atom.model_ops.attn_res import attn_res_mix
+from atom.model_ops.layernorm import RMSNorm
+from atom.model_ops.linear import ReplicatedLinear
+from atom.models.kimi_k3.config import KimiTextConfig
+from atom.models.kimi_k3.kda import KimiDeltaAttention
+from atom.models.kimi_k3.mla import KimiMLAttention
+from atom.models.kimi_k3.moe import GatedMLP, KimiMoE
+
+LayerOutput = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
+
+
+class KimiDecoderLayer(nn.Module):
+    def __init__(self, config: KimiTextConfig, layer_idx: int, prefix: str = "") -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        if config.is_kda_layer(layer_idx):
+            self.self_attn = KimiDeltaAttention(config, f"{prefix}.self_attn")
+        else:
+            self.self_attn = KimiMLAttention(config, f"{prefix}.self_attn")
+        if config.is_moe_layer(layer_idx):
+            self.block_sparse_moe = KimiMoE(config)
+        else:
+            self.mlp = GatedMLP(config, config.intermediate_size)
+        self.input_layernorm = RMSNorm(hidden, eps=eps)
+        self.post_attention_layernorm = RMSNorm(hidden, eps=eps)
+        self.eps = eps
+        self.block_size = config.attn_res_block_size
+        if self.block_size is not None:
+            self.self_attention_res_norm = RMSNorm(hidden, eps=eps)
+            self.self_attention_res_proj = ReplicatedLinear(hidden, 1)
+            self.mlp_res_norm = RMSNorm(hidden, eps=eps)
+            self.mlp_res_proj = ReplicatedLinear(hidden, 1)
+
+    def _mix(
+        self, norm: RMSNorm, proj: ReplicatedLinear, bank: torch.Tensor, p: torch.Tensor
+    ) -> torch.Tensor:
+        return attn_res_mix(bank, p, norm.weight, proj.weight, self.eps)
+
+    def _ffn(self, x: torch.Tensor) -> torch.Tensor:
+        if hasattr(self, "block_sparse_moe"):
+            return self.block_sparse_moe(x)
+        return self.mlp(x)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor | None,
+        block_residual: torch.Tensor | None = None,
+    ) -> LayerOutput:
+        stream = hidden_states if residual is None else residual + hidden_states
+        if self.block_size is None:
+            attn_out = self.self_attn(positions, self.input_layernorm(stream))
+            stream = stream + attn_out
+            ffn_out = self._ffn(self.post_attention_layernorm(stream))
+            return ffn_out, stream, None
+        if block_residual is None:
+            raise ValueError(
+                f"AttnRes layer {self.layer_idx} needs block_residual (the bank)"
+            )
+        bank = block_residual
+        mixed = self._mix(
+            self.self_attention_res_norm, self.self_attention_res_proj, bank, stream
+        )
+        x = self.input_layernorm(mixed)
+        partial: torch.Tensor | None = stream
+        if self.layer_idx % self.block_size == 0:
+            bank = torch.cat([bank, stream.unsqueeze(1)], dim=1)
+            partial = None
+        attn_out = self.self_attn(positions, x)
+        partial = attn_out if partial is None else partial + attn_out
+        mixed = self._mix(self.mlp_res_norm, self.mlp_res_proj, bank, partial)
+        z = self.post_attention_layernorm(mixed)
+        return self._ffn(z), partial, bank
+
+    def aux_hidden_state(self, output: LayerOutput) -> torch.Tensor:
+        """The DSpark tap of this layer from its forward output: p_out (AttnRes) or
+        the residual stream after the layer, i.e. the reference hidden_states[l+1]."""
+        ffn_out, residual, _ = output
+        return residual + ffn_out

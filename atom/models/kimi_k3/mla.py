@@ -1,0 +1,101 @@
+"""Gated NoPE multi-head latent attention over a paged latent cache (spec 4.4).
+
+The rope slice of q and k is never rotated but still enters the dot product. A cache
+row is [c_kv | k_pe]; heads are split across TP ranks (q_b/q, kv_b, g column-parallel,
+o_proj row-parallel), the latent projections and their norms are replicated.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from atom.distributed.parallel_state import get_tp_group
+from atom.model_ops.layernorm import RMSNorm
+from atom.model_ops.linear import (
+    ColumnParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
+from atom.model_ops.paged_mla import causal_mask, latent_attention, read_kv, write_kv
+from atom.models.kimi_k3.config import KimiTextConfig
+from atom.models.kimi_k3.kda import require_metadata
+
+
+class KimiMLAttention(nn.Module):
+    def __init__(self, config: KimiTextConfig, prefix: str = "") -> None:
+        super().__init__()
+        self.prefix = prefix
+        hidden = config.hidden_size
+        heads = config.num_attention_heads
+        self.heads = heads // get_tp_group().world_size
+        self.nope_dim = config.qk_nope_head_dim
+        self.rope_dim = config.qk_rope_head_dim
+        self.v_dim = config.v_head_dim
+        self.kv_lora_rank = config.kv_lora_rank
+        qk_dim = self.nope_dim + self.rope_dim
+        self.scale = qk_dim**-0.5
+        self.q_lora_rank = config.q_lora_rank
+        if self.q_lora_rank:
+            self.q_a_proj = ReplicatedLinear(hidden, self.q_lora_rank)
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, eps=config.mla_norm_eps)
+            self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, heads * qk_dim)
+        else:
+            self.q_proj = ColumnParallelLinear(hidden, heads * qk_dim)
+        self.kv_a_proj_with_mqa = ReplicatedLinear(hidden, config.kv_latent_dim)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, eps=config.mla_norm_eps)
+        self.kv_b_proj = ColumnParallelLinear(
+            self.kv_lora_rank, heads * (self.nope_dim + self.v_dim)
+        )
+        self.use_output_gate = config.mla_use_output_gate
+        if self.use_output_gate:
+            self.g_proj = ColumnParallelLinear(hidden, heads * self.v_dim)
+        self.o_proj = RowParallelLinear(heads * self.v_dim, hidden)
+        # The CacheEngine binds `kv_cache` [num_blocks, block_size, kv_cache_dim].
+        self.kv_cache_dim = config.kv_latent_dim
+        self.kv_cache: torch.Tensor | None = None
+
+    def _queries(self, x: torch.Tensor) -> torch.Tensor:
+        if self.q_lora_rank:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        else:
+            q = self.q_proj(x)
+        return q.view(x.shape[0], self.heads, self.nope_dim + self.rope_dim)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        metadata = require_metadata(f"MLA layer {self.prefix!r}")
+        if self.kv_cache is None:
+            raise RuntimeError(
+                f"MLA layer {self.prefix!r} has no KV cache; bind one with CacheEngine"
+            )
+        q_nope, q_pe = self._queries(x).split([self.nope_dim, self.rope_dim], dim=-1)
+        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split(
+            [self.kv_lora_rank, self.rope_dim], dim=-1
+        )
+        latent = torch.cat([self.kv_a_layernorm(c_kv), k_pe], dim=-1)
+        write_kv(self.kv_cache, metadata.slot_mapping, latent)
+        outputs = []
+        for i in range(metadata.num_seqs):
+            rows = metadata.rows(i)
+            start = metadata.context_lens[i]
+            num_rows = rows.stop - rows.start
+            cached = read_kv(
+                self.kv_cache, metadata.block_tables[i], start + num_rows
+            ).to(x.dtype)
+            query_positions = torch.arange(start, start + num_rows, device=x.device)
+            outputs.append(
+                latent_attention(
+                    q_nope[rows],
+                    q_pe[rows],
+                    cached[:, : self.kv_lora_rank],
+                    cached[:, self.kv_lora_rank :],
+                    self.kv_b_proj.weight,
+                    self.v_dim,
+                    self.scale,
+                    causal_mask(query_positions, start + num_rows),
+                )
+            )
+        o = torch.cat(outputs, dim=0).reshape(x.shape[0], self.heads * self.v_dim)
+        if self.use_output_gate:
+            o = o * torch.sigmoid(self.g_proj(x).float())
+        return self.o_proj(o.to(x.dtype))

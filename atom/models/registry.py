@@ -1,0 +1,110 @@
+"""Which class serves which checkpoint architecture, and what it supports under PP.
+
+Classes are named by import path and loaded lazily, so `import atom.config` stays light.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from atom.config import Config
+
+# Later releases that reuse an existing implementation unchanged.
+ARCH_ALIASES: dict[str, str] = {
+    "KimiK31ForConditionalGeneration": "KimiK3ForConditionalGeneration",
+}
+
+_KIMI = "atom.models.kimi_k3.model"
+
+TARGET_MODELS: dict[str, str] = {
+    "KimiLinearForCausalLM": f"{_KIMI}:KimiLinearForCausalLM",
+    "KimiK3ForCausalLM": f"{_KIMI}:KimiK3ForCausalLM",
+    "KimiK3ForConditionalGeneration": f"{_KIMI}:KimiK3ForConditionalGeneration",
+}
+
+DRAFT_MODELS: dict[str, str] = {
+    "K3DSparkModel": "atom.models.kimi_k3_dspark:KimiK3DSpark",
+}
+
+# Whether each speculative method's draft shares the target's embedding. Only sharing
+# methods may be declared for PP: their drafter on the last stage needs the target's
+# table there, which `pp_holds_embedding` builds.
+METHOD_SHARES_EMBEDDING: dict[str, bool] = {
+    "dspark": True,
+    "eagle3": False,
+    "mtp": False,
+}
+
+# Speculative methods each architecture serves under pipeline parallelism.
+pp_speculative_methods: dict[str, frozenset[str]] = {
+    "KimiK3ForConditionalGeneration": frozenset({"dspark"}),
+    "KimiK3ForCausalLM": frozenset({"dspark"}),
+    "KimiLinearForCausalLM": frozenset({"dspark"}),
+}
+
+
+def _check_declarations() -> None:
+    for arch, methods in pp_speculative_methods.items():
+        for method in methods:
+            if not METHOD_SHARES_EMBEDDING.get(method, False):
+                raise TypeError(
+                    f"pp_speculative_methods[{arch!r}] declares {method!r}, whose draft "
+                    "keeps its own embedding; only embedding-sharing methods may be "
+                    "declared"
+                )
+
+
+_check_declarations()
+
+
+def resolve_architecture(arch: str) -> str:
+    return ARCH_ALIASES.get(arch, arch)
+
+
+def _load(table: dict[str, str], arch: str, kind: str) -> type[nn.Module]:
+    canonical = resolve_architecture(arch)
+    if canonical not in table:
+        supported = sorted(
+            set(table) | {a for a, c in ARCH_ALIASES.items() if c in table}
+        )
+        raise ValueError(
+            f"unknown {kind} architecture {arch!r}; supported: {', '.join(supported)}"
+        )
+    module_name, class_name = table[canonical].split(":")
+    return getattr(importlib.import_module(module_name), class_name)
+
+
+def get_model_class(arch: str) -> type[nn.Module]:
+    return _load(TARGET_MODELS, arch, "model")
+
+
+def get_draft_model_class(arch: str) -> type[nn.Module]:
+    return _load(DRAFT_MODELS, arch, "draft model")
+
+
+def serves_pp_speculation(config: Config) -> bool:
+    """Speculation is on and its method is declared for this architecture under PP."""
+    spec = config.speculative_config
+    if spec is None:
+        return False
+    arch = resolve_architecture(config.hf_config.architecture)
+    return spec.canonical_method in pp_speculative_methods.get(arch, frozenset())
+
+
+def check_pp_support(config: Config) -> None:
+    """Refuse what the engine cannot run under pipeline parallelism."""
+    if config.pipeline_parallel_size == 1:
+        return
+    spec = config.speculative_config
+    if spec is not None and not serves_pp_speculation(config):
+        arch = config.hf_config.architecture
+        declared = sorted(pp_speculative_methods.get(resolve_architecture(arch), ()))
+        raise ValueError(
+            f"speculative method {spec.canonical_method!r} is not supported under "
+            f"pipeline parallelism for {arch}: pp_speculative_methods declares "
+            f"{declared or 'none'} for it"
+        )

@@ -1,0 +1,188 @@
+import argparse
+import dataclasses
+
+import pytest
+
+from atom.entrypoints.cli import make_parser
+from atom.entrypoints.openai.api_server import add_server_args
+from atom.model_engine.arg_utils import EngineArgs
+from atom.utils.arg_parser import FlexibleArgumentParser
+
+
+def engine_parser() -> FlexibleArgumentParser:
+    return EngineArgs.add_cli_args(FlexibleArgumentParser())
+
+
+def parse_engine_args(*argv: str) -> EngineArgs:
+    return EngineArgs.from_cli_args(engine_parser().parse_args(list(argv)))
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--max-model-len", "128"],
+        ["--max_model_len", "128"],
+        ["--max-model-len=128"],
+        ["--max_model_len=128"],
+        ["--max-model_len", "128"],
+    ],
+)
+def test_kebab_and_snake_spellings_are_one_flag(argv):
+    assert parse_engine_args(*argv).max_model_len == 128
+
+
+def test_snake_registered_flag_accepts_kebab():
+    parser = FlexibleArgumentParser()
+    parser.add_argument("--enable_thing", type=int, default=0)
+    assert parser.parse_args(["--enable-thing", "3"]).enable_thing == 3
+    assert parser.parse_args(["--enable_thing=4"]).enable_thing == 4
+
+
+def test_values_are_not_rewritten():
+    args = parse_engine_args("--model", "/models/my_model", "--draft_model", "a_b")
+    assert args.model == "/models/my_model"
+    assert args.draft_model == "a_b"
+
+
+@pytest.mark.parametrize(
+    "flag", ["--no-enable-prefix-caching", "--no-enable_prefix_caching"]
+)
+def test_no_flags_turn_booleans_off(flag):
+    assert parse_engine_args().enable_prefix_caching is True
+    assert parse_engine_args(flag).enable_prefix_caching is False
+    assert parse_engine_args("--no-enable-chunked-prefill").enable_chunked_prefill is (
+        False
+    )
+
+
+def test_store_true_flags_gain_a_no_form():
+    parser = FlexibleArgumentParser()
+    parser.add_argument("--fast", action="store_true")
+    group = parser.add_argument_group("grouped")
+    group.add_argument("--loud_mode", action="store_true")
+    assert parser.parse_args([]).fast is False
+    assert parser.parse_args(["--fast"]).fast is True
+    assert parser.parse_args(["--fast", "--no-fast"]).fast is False
+    assert parser.parse_args(["--loud-mode"]).loud_mode is True
+    assert parser.parse_args(["--loud_mode", "--no-loud-mode"]).loud_mode is False
+
+
+def test_short_parallel_flags():
+    args = parse_engine_args("-tp", "4", "-pp", "2", "--pp_layer_partition", "3,2")
+    assert (args.tensor_parallel_size, args.pipeline_parallel_size) == (4, 2)
+    assert args.pp_layer_partition == [3, 2]
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--enable-dp-attention"], "--enable-dp-attention is not supported by atom"),
+        (["--enable_expert_parallel"], "--enable-expert-parallel is not supported"),
+        (["--data-parallel-size", "2"], "--data-parallel-size is not supported"),
+        (["-dp", "2"], "-dp is not supported by atom"),
+        (["--kv_cache_dtype", "fp8"], "--kv-cache-dtype is not supported by atom"),
+        (["--cudagraph-capture-sizes", "[1,2]"], "--cudagraph-capture-sizes is not"),
+        (["--port", "8000"], "use --server-port"),
+    ],
+)
+def test_unsupported_flags_are_rejected_by_name(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        engine_parser().parse_args(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--max-model"], "unrecognized arguments"),  # no prefix matching
+        (["--device", "tpu"], "invalid choice"),
+        (["-tp", "0"], "expected a positive integer"),
+        (["--pp-layer-partition", "3,x"], "comma-separated layer counts"),
+        (["--pp-layer-partition", "3,0"], "at least one layer"),
+        (["--method", "medusa"], "invalid choice"),
+    ],
+)
+def test_bad_values_fail_with_a_message(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        engine_parser().parse_args(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_cli_defaults_match_the_dataclass():
+    parsed = parse_engine_args()
+    assert parsed == EngineArgs()
+    for field in dataclasses.fields(EngineArgs):
+        assert getattr(parsed, field.name) == field.default, field.name
+
+
+def test_engine_kwargs_leave_unset_optionals_to_the_engine():
+    kwargs = parse_engine_args("--seed", "3").engine_kwargs()
+    assert kwargs["model"] == "tiny-kimi-k3"
+    assert kwargs["seed"] == 3
+    assert kwargs["max_num_seqs"] == 64
+    for unset in ["tokenizer", "max_model_len", "num_kvcache_blocks", "method"]:
+        assert unset not in kwargs
+
+
+@pytest.mark.parametrize(
+    "model, draft",
+    [
+        ("tiny-kimi-k3", "tiny-kimi-k3-dspark"),
+        ("tiny-kimi-k31", "tiny-kimi-k31-dspark"),
+    ],
+)
+def test_dspark_on_a_tiny_model_defaults_its_draft(model, draft):
+    assert parse_engine_args("--model", model, "--method", "dspark").draft_model == (
+        draft
+    )
+    explicit = parse_engine_args("--model", model, "--method=dspark", "--draft-model=d")
+    assert explicit.draft_model == "d"
+    assert parse_engine_args("--model", model).draft_model is None
+    assert parse_engine_args("--model", "/x", "--method", "dspark").draft_model is None
+
+
+def test_server_parser_has_server_and_engine_flags():
+    args = add_server_args(FlexibleArgumentParser()).parse_args(
+        [
+            "--server_port",
+            "9001",
+            "--served-model-name",
+            "kimi",
+            "--default-chat-template-kwargs",
+            '{"thinking": false}',
+            "--no-enable_prefix_caching",
+            "--disable_uvicorn_access_log",
+        ]
+    )
+    assert (args.host, args.server_port, args.timeout_keep_alive) == (
+        "0.0.0.0",
+        9001,
+        5,
+    )
+    assert args.served_model_name == "kimi"
+    assert args.default_chat_template_kwargs == {"thinking": False}
+    assert args.disable_uvicorn_access_log is True
+    assert EngineArgs.from_cli_args(args).enable_prefix_caching is False
+
+
+def test_server_rejects_a_non_object_template_kwargs(capsys):
+    with pytest.raises(SystemExit):
+        add_server_args(FlexibleArgumentParser()).parse_args(
+            ["--default-chat-template-kwargs", "[1]"]
+        )
+    assert "expected a JSON object" in capsys.readouterr().err
+
+
+def test_atom_console_script_subcommands():
+    parser = make_parser()
+    serve = parser.parse_args(["serve", "--model", "m", "--server-port", "1234"])
+    assert (serve.command, serve.model, serve.server_port) == ("serve", "m", 1234)
+    generate = parser.parse_args(
+        ["generate", "--prompt", "a", "--prompt", "b", "--max_tokens", "5", "-tp", "2"]
+    )
+    assert generate.command == "generate"
+    assert generate.prompt == ["a", "b"]
+    assert (generate.max_tokens, generate.temperature) == (5, 0.0)
+    assert EngineArgs.from_cli_args(generate).tensor_parallel_size == 2
+    assert isinstance(generate, argparse.Namespace)

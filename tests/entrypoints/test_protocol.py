@@ -1,0 +1,149 @@
+import pytest
+from pydantic import ValidationError
+
+from atom.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    format_validation_error,
+)
+from atom.sampling_params import SamplingParams
+
+
+def validation_message(model, body: dict) -> str:
+    with pytest.raises(ValidationError) as error:
+        model.model_validate(body)
+    return format_validation_error(error.value)
+
+
+@pytest.mark.parametrize(
+    "body, expected",
+    [
+        (
+            {"prompt": "hi", "max_tokens": 0},
+            "max_tokens: Input should be greater than 0",
+        ),
+        ({"prompt": "hi", "max_tokens": -3}, "max_tokens: Input should be greater"),
+        ({"prompt": "hi", "max_tokens": "many"}, "max_tokens: Input should be a valid"),
+        ({"prompt": "hi", "max_completion_tokens": 0}, "max_completion_tokens:"),
+        ({"prompt": "hi", "temperature": -0.5}, "temperature: Input should be greater"),
+        ({"prompt": "hi", "n": 2}, "n: Value error, n must be 1"),
+        ({"prompt": "hi", "stop": 5}, "stop"),
+        ({"prompt": "hi", "stream": "sometimes"}, "stream"),
+        ({"prompt": 12}, "prompt"),
+        ({"prompt": [1, -2]}, "prompt"),
+        ({"prompt": []}, "prompt must not be an empty list"),
+        ({"max_tokens": 4}, "prompt: Field required"),
+        ({"prompt": "hi", "echo": True}, "echo is not supported"),
+        ({"prompt": "hi", "logprobs": 5}, "logprobs are not supported"),
+    ],
+)
+def test_completion_request_errors_name_the_field(body, expected):
+    assert expected in validation_message(CompletionRequest, body)
+
+
+def test_body_that_is_not_an_object_is_rejected():
+    assert "body: Input should be a valid dictionary" in validation_message(
+        CompletionRequest, ["prompt"]
+    )
+
+
+def test_completion_request_ignores_unknown_fields_and_fills_params():
+    request = CompletionRequest.model_validate(
+        {
+            "prompt": "hello",
+            "model": "m",
+            "temperature": 0,
+            "top_k": 5,
+            "stop": ["\n\n"],
+            "seed": 1234,
+            "ignore_eos": True,
+            "best_of": 1,  # unknown: ignored
+            "user": "lm_eval",
+        }
+    )
+    assert request.prompts() == ["hello"]
+    params = SamplingParams(**request.sampling_kwargs(default_max_tokens=77))
+    assert params.max_tokens == 77
+    assert (params.temperature, params.top_k, params.top_p) == (0.0, 5, 1.0)
+    assert params.stop == ["\n\n"] and params.seed == 1234 and params.ignore_eos
+
+
+def test_max_completion_tokens_wins_over_max_tokens():
+    request = CompletionRequest.model_validate(
+        {"prompt": "x", "max_tokens": 10, "max_completion_tokens": 3}
+    )
+    assert request.sampling_kwargs(default_max_tokens=100)["max_tokens"] == 3
+    only_old = CompletionRequest.model_validate({"prompt": "x", "max_tokens": 10})
+    assert only_old.sampling_kwargs(default_max_tokens=100)["max_tokens"] == 10
+
+
+@pytest.mark.parametrize(
+    "prompt, prompts",
+    [
+        ("a", ["a"]),
+        ([5, 6, 7], [[5, 6, 7]]),
+        (["a", "b"], ["a", "b"]),
+        ([[1, 2], [3]], [[1, 2], [3]]),
+    ],
+)
+def test_prompt_forms(prompt, prompts):
+    assert CompletionRequest.model_validate({"prompt": prompt}).prompts() == prompts
+
+
+def test_stream_usage_option():
+    plain = CompletionRequest.model_validate({"prompt": "a", "stream": True})
+    assert plain.stream and not plain.include_usage_in_stream()
+    with_usage = CompletionRequest.model_validate(
+        {"prompt": "a", "stream": True, "stream_options": {"include_usage": True}}
+    )
+    assert with_usage.include_usage_in_stream()
+
+
+def test_chat_messages_and_prompt_alias():
+    request = ChatCompletionRequest.model_validate(
+        {
+            "messages": [
+                {"role": "system", "content": "be brief"},
+                {"role": "user", "content": [{"type": "text", "text": "hi "}, {"type": "text", "text": "there"}]},  # fmt: skip
+            ],
+            "tools": [{"type": "function"}],
+            "reasoning_effort": "low",
+            "chat_template_kwargs": {"thinking": False},
+        }
+    )
+    assert request.chat_messages() == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "hi there"},
+    ]
+    alias = ChatCompletionRequest.model_validate({"prompt": "hello"})
+    assert alias.chat_messages() == [{"role": "user", "content": "hello"}]
+
+
+def test_chat_without_messages_or_with_images_is_a_value_error():
+    with pytest.raises(ValueError, match="messages: field required"):
+        ChatCompletionRequest.model_validate({"max_tokens": 3}).chat_messages()
+    image = {"type": "image_url", "image_url": {"url": "http://x"}}
+    request = ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": [image]}]}
+    )
+    with pytest.raises(ValueError, match="only text content parts"):
+        request.chat_messages()
+
+
+@pytest.mark.parametrize(
+    "body, expected",
+    [
+        ({"messages": "hi"}, "messages: Input should be a valid list"),
+        ({"messages": [{"content": "hi"}]}, "messages.0.role: Field required"),
+        ({"messages": [], "logprobs": True}, "logprobs are not supported"),
+        ({"messages": [], "n": 3}, "n must be 1"),
+    ],
+)
+def test_chat_request_errors_name_the_field(body, expected):
+    assert expected in validation_message(ChatCompletionRequest, body)
+
+
+def test_sampling_params_reject_values_pydantic_lets_through():
+    request = CompletionRequest.model_validate({"prompt": "x", "top_p": 1.5})
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(**request.sampling_kwargs(default_max_tokens=8))

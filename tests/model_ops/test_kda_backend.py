@@ -1,0 +1,75 @@
+import pytest
+import torch
+
+from atom.model_ops.kda import chunk_kda, l2_normalize, recurrent_kda
+from atom.model_ops.kda_backend import (
+    BACKEND_ENV_VAR,
+    TorchKDABackend,
+    fla_available,
+    select_kda_backend,
+)
+
+
+def test_cpu_gets_torch_backend(monkeypatch):
+    monkeypatch.delenv(BACKEND_ENV_VAR, raising=False)
+    assert isinstance(select_kda_backend("cpu"), TorchKDABackend)
+    monkeypatch.setenv(BACKEND_ENV_VAR, "torch")
+    assert select_kda_backend(torch.device("cpu")).name == "torch"
+
+
+def test_fla_request_on_cpu_is_an_error(monkeypatch):
+    monkeypatch.setenv(BACKEND_ENV_VAR, "fla")
+    with pytest.raises(ValueError, match="CUDA"):
+        select_kda_backend("cpu")
+
+
+def test_unknown_backend_names_allowed_values(monkeypatch):
+    monkeypatch.setenv(BACKEND_ENV_VAR, "triton")
+    with pytest.raises(ValueError, match="torch"):
+        select_kda_backend("cpu")
+    monkeypatch.delenv(BACKEND_ENV_VAR)
+    with pytest.raises(ValueError, match="auto"):
+        select_kda_backend("cpu", choice="cuda")
+
+
+def test_torch_backend_runs_chunked_prefill_and_token_decode():
+    gen = torch.Generator().manual_seed(0)
+    q = l2_normalize(torch.randn(9, 2, 8, generator=gen))
+    k = l2_normalize(torch.randn(9, 2, 8, generator=gen))
+    v = torch.randn(9, 2, 4, generator=gen)
+    g = -torch.rand(9, 2, 8, generator=gen)
+    beta = torch.rand(9, 2, generator=gen)
+    state = torch.randn(2, 4, 8, generator=gen)
+    backend = select_kda_backend("cpu", choice="torch")
+    o, final = backend.prefill(q, k, v, g, beta, state)
+    o_ref, final_ref = chunk_kda(q, k, v, g, beta, state)
+    assert torch.equal(o, o_ref) and torch.equal(final, final_ref)
+    _, _, snapshots = backend.decode(q, k, v, g, beta, state, return_all_states=True)
+    _, _, snapshots_ref = recurrent_kda(q, k, v, g, beta, state, return_all_states=True)
+    assert torch.equal(snapshots, snapshots_ref)
+
+
+@pytest.mark.skipif(
+    not (torch.cuda.is_available() and fla_available()), reason="needs CUDA and fla"
+)
+def test_fla_backend_matches_torch_on_cuda():
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    tokens, heads, dim = 150, 4, 64
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, device="cuda")
+
+    q, k = l2_normalize(randn(tokens, heads, dim)), l2_normalize(
+        randn(tokens, heads, dim)
+    )
+    v = randn(tokens, heads, dim)
+    g = -5.0 * torch.sigmoid(randn(tokens, heads, dim))
+    beta = torch.sigmoid(randn(tokens, heads))
+    state = randn(heads, dim, dim) * 0.1
+    fla = select_kda_backend("cuda", choice="fla")
+    reference = select_kda_backend("cuda", choice="torch")
+    for method in ("prefill", "decode"):
+        o, final = getattr(fla, method)(q, k, v, g, beta, state)
+        o_ref, final_ref = getattr(reference, method)(q, k, v, g, beta, state)
+        torch.testing.assert_close(o, o_ref, rtol=2e-3, atol=2e-3)
+        torch.testing.assert_close(final, final_ref, rtol=2e-3, atol=2e-3)
