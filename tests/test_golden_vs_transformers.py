@@ -1,8 +1,9 @@
 """The golden reference against transformers' Kimi Linear (kimi_k3.md section 7).
 
 transformers 5.24 `save_pretrained` writes the *checkpoint* names for kimi_linear
-(`self_attn.q_conv1d`, `self_attn.f_a_proj`, `block_sparse_moe.experts.{e}.w1`, ...):
-its conversion mapping is reversed on save, so the golden model reads the folder as is.
+(`self_attn.q_conv1d`, `self_attn.f_a_proj`, `block_sparse_moe.experts.{e}.w1`, ...),
+except that the dense layer comes out as `block_sparse_moe.{gate,up,down}_proj`;
+`atom.models.kimi_k3.hf_names` maps both that and the in-memory names back.
 """
 
 import math
@@ -11,7 +12,10 @@ import os
 import pytest
 import torch
 
+from atom.models.kimi_k3.hf_names import to_checkpoint_names
 from atom.models.tiny import resolve_model_path
+from atom.models.tiny.configs import kimi_linear_config
+from atom.models.tiny.weights import kimi_linear_specs
 from tests.reference.k3_golden import GoldenModel
 
 # transformers would otherwise try hub kernels; it runs its pure-torch fallbacks.
@@ -117,6 +121,27 @@ def test_save_pretrained_writes_checkpoint_names(saved_transformers_model):
     assert not any(
         "forget_gate" in n or "gate_up_proj" in n or ".conv1d" in n for n in names
     )
+    # Quirk: the reversed `block_sparse_moe -> mlp` rename also hits the dense layer.
+    assert "model.layers.0.block_sparse_moe.gate_proj.weight" in names
+
+
+def test_hf_names_maps_transformers_state_onto_tiny_checkpoint_names(
+    saved_transformers_model,
+):
+    from safetensors.torch import load_file
+
+    model, path = saved_transformers_model
+    from_memory = to_checkpoint_names(model.state_dict())
+    from_disk = to_checkpoint_names(load_file(str(path / "model.safetensors")))
+    assert from_memory.keys() == from_disk.keys()
+    for name, tensor in from_memory.items():
+        assert torch.equal(tensor, from_disk[name]), name
+    # The same names and shapes the tiny Kimi Linear checkpoint is generated with.
+    config = kimi_linear_config()
+    config["q_lora_rank"] = model.config.q_lora_rank
+    expected = {spec.name: spec.shape for spec in kimi_linear_specs(config)}
+    assert {n: tuple(t.shape) for n, t in from_memory.items()} == expected
+    assert to_checkpoint_names(from_memory).keys() == from_memory.keys()
 
 
 def test_golden_matches_transformers_prefill(saved_transformers_model):

@@ -145,7 +145,8 @@ def _check_kda_inputs(
     expected_state = (heads, v.shape[2], key_dim)
     if state is not None and tuple(state.shape) != expected_state:
         raise ValueError(
-            f"state must be value-first {list(expected_state)}, got {tuple(state.shape)}"
+            f"state must be value-first {list(expected_state)}, "
+            f"got {tuple(state.shape)}"
         )
 
 
@@ -174,8 +175,8 @@ def recurrent_kda(
     """Token-by-token KDA: the reference every other form is checked against.
 
     q, k [T, h, Dk] (already L2-normalised), v [T, h, Dv], g [T, h, Dk] log-decay
-    (<= 0), beta [T, h], state [h, Dv, Dk] or None. Returns (o [T, h, Dv] fp32, final state)
-    plus, with return_all_states, the state after every row [T, h, Dv, Dk].
+    (<= 0), beta [T, h], state [h, Dv, Dk] or None. Returns (o [T, h, Dv] fp32,
+    final state) plus, with return_all_states, the state after every row [T, h, Dv, Dk].
     """
     _check_kda_inputs(q, k, v, g, beta, state)
     key_dim = k.shape[2]
@@ -206,8 +207,8 @@ def _decayed_scores(
     """M[h, t, i] = sum_d rows[h,t,d] cols[h,i,d] exp(G[h,t,d] - G[h,i,d]) for i <= t.
 
     Entries above the diagonal are zero. Every exponent used is <= 0 because G (the
-    within-chunk cumulative log-decay, fp64) is non-increasing: off-diagonal blocks factor
-    through a reference row r between i and t, exp(G_t - G_r) * exp(G_r - G_i).
+    within-chunk cumulative log-decay, fp64) is non-increasing: off-diagonal blocks
+    factor through a reference row r between i and t, exp(G_t - G_r) * exp(G_r - G_i).
     """
     heads, length, _ = rows.shape
     scores = rows.new_zeros(heads, length, length)

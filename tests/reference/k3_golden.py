@@ -54,43 +54,53 @@ def _canonical_name(name: str) -> str:
 
 
 class GoldenModel:
-    def __init__(self, config: dict, tensors: dict[str, Tensor], mla_norm_eps=None):
+    def __init__(
+        self,
+        config: dict,
+        tensors: dict[str, Tensor],
+        mla_norm_eps: float | None = None,
+    ):
         wrapped = isinstance(config.get("text_config"), dict)
-        self.cfg = config["text_config"] if wrapped else config
-        prefix = "language_model." if wrapped else ""
+        self.cfg = cfg = config["text_config"] if wrapped else config
+        self.prefix = "language_model." if wrapped else ""
         self.tensors = {
             _canonical_name(name): t
             for name, t in tensors.items()
-            if name.startswith(prefix)
+            if name.startswith(self.prefix)
         }
-        self.prefix = prefix
-        cfg = self.cfg
         self.eps = cfg["rms_norm_eps"]
         self.mla_eps = self.eps if mla_norm_eps is None else mla_norm_eps
         self.num_layers = cfg["num_hidden_layers"]
         self.block_size = cfg.get("attn_res_block_size")
         lac = cfg["linear_attn_config"]
-        self.kda_layers = {i - 1 for i in lac["kda_layers"]}
-        full = {i - 1 for i in lac["full_attn_layers"]}
-        if self.kda_layers & full or self.kda_layers | full != set(
-            range(self.num_layers)
-        ):
+        kda = [i - 1 for i in lac["kda_layers"]]
+        full = [i - 1 for i in lac["full_attn_layers"]]
+        if sorted(kda + full) != list(range(self.num_layers)):
             raise ValueError(
                 "kda_layers and full_attn_layers must partition the layers"
             )
+        self.kda_layers = set(kda)
         if not cfg.get("mla_use_nope", True):
             raise ValueError("the golden target MLA is NoPE only (mla_use_nope: false)")
         if cfg.get("moe_router_activation_func", "sigmoid") != "sigmoid":
             raise ValueError("only sigmoid routing is supported")
 
     @classmethod
-    def from_pretrained(cls, path, mla_norm_eps=None) -> "GoldenModel":
+    def from_pretrained(
+        cls, path: str | Path, mla_norm_eps: float | None = None
+    ) -> "GoldenModel":
         path = Path(path)
         config = json.loads((path / "config.json").read_text())
         return cls(config, load_tensors(path), mla_norm_eps)
 
     def w(self, name: str) -> Tensor:
         return self.tensors[self.prefix + name]
+
+    def linear(self, name: str, x: Tensor) -> Tensor:
+        return x @ self.w(name + ".weight").T
+
+    def norm(self, name: str, x: Tensor, eps: float | None = None) -> Tensor:
+        return rms_norm(x, self.w(name + ".weight"), self.eps if eps is None else eps)
 
     # ---- model ----------------------------------------------------------------
 
@@ -105,8 +115,7 @@ class GoldenModel:
             final = self._residual_stack(h, hidden_states)
         else:
             final = self._attn_res_stack(h, hidden_states)
-        y = rms_norm(final, self.w("model.norm.weight"), self.eps)
-        return y @ self.w("lm_head.weight").T, hidden_states
+        return self.linear("lm_head", self.norm("model.norm", final)), hidden_states
 
     def golden_greedy(self, ids: list[int], n: int) -> list[int]:
         """The next `n` argmax tokens (no stop on eos), recomputing from scratch."""
@@ -119,17 +128,13 @@ class GoldenModel:
     def _residual_stack(self, h: Tensor, hidden_states: list[Tensor]) -> Tensor:
         for layer in range(self.num_layers):
             lp = f"model.layers.{layer}."
-            h = h + self._attention(
-                layer, rms_norm(h, self.w(lp + "input_layernorm.weight"), self.eps)
-            )
-            h = h + self._ffn(
-                layer,
-                rms_norm(h, self.w(lp + "post_attention_layernorm.weight"), self.eps),
-            )
+            h = h + self._attention(layer, self.norm(lp + "input_layernorm", h))
+            h = h + self._ffn(layer, self.norm(lp + "post_attention_layernorm", h))
             hidden_states.append(h)
         return h
 
     def _attn_res_stack(self, e: Tensor, hidden_states: list[Tensor]) -> Tensor:
+        """Spec 4.1: a bank of closed blocks plus the open block's partial sum."""
         bank: list[Tensor] = []
         partial: Tensor | None = e
         ffn_out = None
@@ -138,27 +143,25 @@ class GoldenModel:
             if ffn_out is not None:
                 partial = partial + ffn_out
             mixed = self._mix(lp + "self_attention_res", bank, partial)
-            x = rms_norm(mixed, self.w(lp + "input_layernorm.weight"), self.eps)
+            x = self.norm(lp + "input_layernorm", mixed)
             if layer % self.block_size == 0:
                 bank.append(partial)
                 partial = None
             attn_out = self._attention(layer, x)
             partial = attn_out if partial is None else partial + attn_out
             mixed = self._mix(lp + "mlp_res", bank, partial)
-            z = rms_norm(
-                mixed, self.w(lp + "post_attention_layernorm.weight"), self.eps
+            ffn_out = self._ffn(
+                layer, self.norm(lp + "post_attention_layernorm", mixed)
             )
-            ffn_out = self._ffn(layer, z)
             hidden_states.append(partial + ffn_out)
         return self._mix("model.output_attn_res", bank, partial + ffn_out)
 
     def _mix(self, site: str, bank: list[Tensor], partial: Tensor) -> Tensor:
         """Softmax over candidates of w_p . RMSNorm_{w_n}(c), mixing the raw c."""
         candidates = torch.stack([*bank, partial])  # [n, T, H]
-        normed = rms_norm(candidates, self.w(site + "_norm.weight"), self.eps)
-        scores = normed @ self.w(site + "_proj.weight")[0]  # [n, T]
-        alpha = scores.softmax(dim=0)
-        return (alpha[..., None] * candidates).sum(0)
+        scores = self.linear(site + "_proj", self.norm(site + "_norm", candidates))
+        alpha = scores.softmax(dim=0)  # [n, T, 1]
+        return (alpha * candidates).sum(0)
 
     def _attention(self, layer: int, x: Tensor) -> Tensor:
         if layer in self.kda_layers:
@@ -170,15 +173,15 @@ class GoldenModel:
     def _kda(self, p: str, x: Tensor) -> Tensor:
         lac = self.cfg["linear_attn_config"]
         heads, dim = lac["num_heads"], lac["head_dim"]
-        seq_len = x.shape[0]
+        per_head = (x.shape[0], heads, dim)
         q, k, v = (
-            self._causal_conv_silu(
-                x @ self.w(f"{p}{n}_proj.weight").T, self.w(f"{p}{n}_conv1d.weight")
-            ).view(seq_len, heads, dim)
+            _causal_conv_silu(
+                self.linear(f"{p}{n}_proj", x), self.w(f"{p}{n}_conv1d.weight")
+            ).view(per_head)
             for n in "qkv"
         )
-        f = (x @ self.w(p + "f_a_proj.weight").T) @ self.w(p + "f_b_proj.weight").T
-        f = (f + self.w(p + "dt_bias")).view(seq_len, heads, dim)
+        f = self.linear(p + "f_b_proj", self.linear(p + "f_a_proj", x))
+        f = (f + self.w(p + "dt_bias")).view(per_head)
         decay_rate = self.w(p + "A_log").flatten()[:heads].exp()[None, :, None]
         lower_bound = lac.get("gate_lower_bound")
         if lower_bound is None:
@@ -186,79 +189,55 @@ class GoldenModel:
             log_decay = -decay_rate * softplus
         else:
             log_decay = lower_bound * torch.sigmoid(decay_rate * f)
-        beta = torch.sigmoid(x @ self.w(p + "b_proj.weight").T)  # [T, heads]
+        beta = torch.sigmoid(self.linear(p + "b_proj", x))  # [T, heads]
         q = q / torch.sqrt(q.pow(2).sum(-1, keepdim=True) + 1e-6) / math.sqrt(dim)
         k = k / torch.sqrt(k.pow(2).sum(-1, keepdim=True) + 1e-6)
 
         state = torch.zeros(heads, dim, dim)  # [heads, Dv, Dk]
         outputs = []
-        for t in range(seq_len):
+        for t in range(x.shape[0]):
             state = state * log_decay[t].exp()[:, None, :]
             read = torch.einsum("hvk,hk->hv", state, k[t])
             update = beta[t][:, None] * (v[t] - read)
             state = state + update[:, :, None] * k[t][:, None, :]
             outputs.append(torch.einsum("hvk,hk->hv", state, q[t]))
-        o = rms_norm(torch.stack(outputs), self.w(p + "o_norm.weight"), self.eps)
+        o = self.norm(p + "o_norm", torch.stack(outputs))
 
         if lac.get("use_full_rank_gate", False):
-            gate = x @ self.w(p + "g_proj.weight").T
+            gate = self.linear(p + "g_proj", x)
         else:
-            gate = (x @ self.w(p + "g_a_proj.weight").T) @ self.w(
-                p + "g_b_proj.weight"
-            ).T
-        y = o * torch.sigmoid(gate.view(seq_len, heads, dim))
-        return y.reshape(seq_len, heads * dim) @ self.w(p + "o_proj.weight").T
-
-    @staticmethod
-    def _causal_conv_silu(u: Tensor, weight: Tensor) -> Tensor:
-        """Depthwise causal conv: out[t] = sum_i w[:, i] * u[t - K + 1 + i]."""
-        kernel = weight.shape[-1]
-        out = torch.zeros_like(u)
-        for i in range(kernel):
-            shift = kernel - 1 - i
-            out[shift:] += weight[:, 0, i] * u[: u.shape[0] - shift]
-        return F.silu(out)
+            gate = self.linear(p + "g_b_proj", self.linear(p + "g_a_proj", x))
+        y = o * torch.sigmoid(gate.view(per_head))
+        return self.linear(p + "o_proj", y.flatten(1))
 
     # ---- MLA ------------------------------------------------------------------
 
     def _mla(self, p: str, x: Tensor) -> Tensor:
         cfg = self.cfg
-        heads, nope, rope = (
-            cfg["num_attention_heads"],
-            cfg["qk_nope_head_dim"],
-            cfg["qk_rope_head_dim"],
-        )
-        v_dim, kv_lora = cfg["v_head_dim"], cfg["kv_lora_rank"]
-        seq_len = x.shape[0]
+        heads, nope = cfg["num_attention_heads"], cfg["qk_nope_head_dim"]
+        rope, v_dim = cfg["qk_rope_head_dim"], cfg["v_head_dim"]
+        kv_lora, seq_len = cfg["kv_lora_rank"], x.shape[0]
         if cfg.get("q_lora_rank"):
-            c_q = rms_norm(
-                x @ self.w(p + "q_a_proj.weight").T,
-                self.w(p + "q_a_layernorm.weight"),
-                self.mla_eps,
+            c_q = self.norm(
+                p + "q_a_layernorm", self.linear(p + "q_a_proj", x), self.mla_eps
             )
-            q = c_q @ self.w(p + "q_b_proj.weight").T
+            q = self.linear(p + "q_b_proj", c_q)
         else:
-            q = x @ self.w(p + "q_proj.weight").T
+            q = self.linear(p + "q_proj", x)
         q = q.view(seq_len, heads, nope + rope)
-        latent = x @ self.w(p + "kv_a_proj_with_mqa.weight").T
-        c_kv = rms_norm(
-            latent[:, :kv_lora], self.w(p + "kv_a_layernorm.weight"), self.mla_eps
-        )
-        k_pe = latent[:, kv_lora:]  # NoPE: shared by all heads, never rotated
-        kv = (c_kv @ self.w(p + "kv_b_proj.weight").T).view(
-            seq_len, heads, nope + v_dim
-        )
-        k = torch.cat(
-            [kv[..., :nope], k_pe[:, None, :].expand(seq_len, heads, rope)], dim=-1
-        )
+        latent = self.linear(p + "kv_a_proj_with_mqa", x)
+        c_kv = self.norm(p + "kv_a_layernorm", latent[:, :kv_lora], self.mla_eps)
+        k_pe = latent[:, None, kv_lora:].expand(seq_len, heads, rope)  # NoPE, shared
+        kv = self.linear(p + "kv_b_proj", c_kv).view(seq_len, heads, nope + v_dim)
+        k = torch.cat([kv[..., :nope], k_pe], dim=-1)
         v = kv[..., nope:]
         scores = torch.einsum("thd,shd->hts", q, k) / math.sqrt(nope + rope)
         future = torch.ones(seq_len, seq_len, dtype=torch.bool).triu(1)
         probs = scores.masked_fill(future, float("-inf")).softmax(-1)
         o = torch.einsum("hts,shd->thd", probs, v).reshape(seq_len, heads * v_dim)
         if cfg.get("mla_use_output_gate", False):
-            o = o * torch.sigmoid(x @ self.w(p + "g_proj.weight").T)
-        return o @ self.w(p + "o_proj.weight").T
+            o = o * torch.sigmoid(self.linear(p + "g_proj", x))
+        return self.linear(p + "o_proj", o)
 
     # ---- FFN ------------------------------------------------------------------
 
@@ -276,35 +255,32 @@ class GoldenModel:
 
     def _mlp(self, p: str, x: Tensor) -> Tensor:
         inner = self._act(
-            x @ self.w(p + "gate_proj.weight").T, x @ self.w(p + "up_proj.weight").T
+            self.linear(p + "gate_proj", x), self.linear(p + "up_proj", x)
         )
-        return inner @ self.w(p + "down_proj.weight").T
+        return self.linear(p + "down_proj", inner)
 
     def _ffn(self, layer: int, x: Tensor) -> Tensor:
-        cfg = self.cfg
         lp = f"model.layers.{layer}."
-        if layer < cfg.get("first_k_dense_replace", 0) or layer % cfg.get(
-            "moe_layer_freq", 1
-        ):
+        dense = layer < self.cfg.get("first_k_dense_replace", 0)
+        if dense or layer % self.cfg.get("moe_layer_freq", 1):
             return self._mlp(lp + "mlp.", x)
         return self._moe(lp + "block_sparse_moe.", x)
 
     def _route(self, p: str, x: Tensor) -> tuple[Tensor, Tensor]:
+        """noaux_tc: choose with the biased score, weight with the unbiased one."""
         cfg = self.cfg
         num_experts, top_k = cfg["num_experts"], cfg["num_experts_per_token"]
-        scores = torch.sigmoid(x @ self.w(p + "gate.weight").T)
+        scores = torch.sigmoid(self.linear(p + "gate", x))
         choice = scores + self.w(p + "gate.e_score_correction_bias")
         groups = cfg.get("num_expert_group", 1)
         if cfg.get("use_grouped_topk", True) and groups > 1:
             grouped = choice.view(-1, groups, num_experts // groups)
             group_scores = grouped.topk(2, dim=-1).values.sum(-1)
             kept = group_scores.topk(cfg["topk_group"], dim=-1).indices
-            keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter(
-                1, kept, True
-            )
-            choice = grouped.masked_fill(~keep[..., None], float("-inf")).view(
-                -1, num_experts
-            )
+            keep = torch.zeros_like(group_scores, dtype=torch.bool)
+            keep.scatter_(1, kept, True)
+            choice = grouped.masked_fill(~keep[..., None], float("-inf"))
+            choice = choice.view(-1, num_experts)
         experts = choice.topk(top_k, dim=-1).indices
         weights = scores.gather(1, experts)
         if cfg.get("moe_renormalize", True):
@@ -314,20 +290,27 @@ class GoldenModel:
     def _moe(self, p: str, x: Tensor) -> Tensor:
         experts, weights = self._route(p, x)
         latent = self.cfg.get("routed_expert_hidden_size")
-        xi = x @ self.w(p + "routed_expert_down_proj.weight").T if latent else x
+        xi = self.linear(p + "routed_expert_down_proj", x) if latent else x
         routed = torch.zeros_like(xi)
         for t in range(x.shape[0]):
             for e, weight in zip(experts[t].tolist(), weights[t]):
                 ep = f"{p}experts.{e}."
-                gate, up = (
-                    xi[t] @ self.w(ep + "w1.weight").T,
-                    xi[t] @ self.w(ep + "w3.weight").T,
+                inner = self._act(
+                    self.linear(ep + "w1", xi[t]), self.linear(ep + "w3", xi[t])
                 )
-                routed[t] += weight * (self._act(gate, up) @ self.w(ep + "w2.weight").T)
+                routed[t] += weight * self.linear(ep + "w2", inner)
         if latent:
             if self.cfg.get("latent_moe_use_norm", False):
-                routed = rms_norm(
-                    routed, self.w(p + "routed_expert_norm.weight"), self.eps
-                )
-            routed = routed @ self.w(p + "routed_expert_up_proj.weight").T
+                routed = self.norm(p + "routed_expert_norm", routed)
+            routed = self.linear(p + "routed_expert_up_proj", routed)
         return routed + self._mlp(p + "shared_experts.", x)
+
+
+def _causal_conv_silu(u: Tensor, weight: Tensor) -> Tensor:
+    """Depthwise causal conv then SiLU: out[t] = sum_i w[:, i] * u[t - K + 1 + i]."""
+    kernel = weight.shape[-1]
+    out = torch.zeros_like(u)
+    for i in range(kernel):
+        shift = kernel - 1 - i
+        out[shift:] += weight[:, 0, i] * u[: u.shape[0] - shift]
+    return F.silu(out)

@@ -6,6 +6,7 @@ import contextlib
 import json
 import logging
 import os
+import signal
 from collections.abc import Sequence
 from typing import Any
 
@@ -172,7 +173,15 @@ def load_chat_template(value: str | None) -> str | None:
         return file.read()
 
 
+def _exit_cleanly(signum: int, frame: Any) -> None:
+    raise SystemExit(0)
+
+
 def run_server(args: argparse.Namespace) -> None:
+    # uvicorn shuts down gracefully on SIGTERM and then re-raises the signal; as
+    # SystemExit it unwinds through the `finally` below, which closes the engine
+    # (and its worker processes) instead of dying with them still running.
+    signal.signal(signal.SIGTERM, _exit_cleanly)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -204,7 +213,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = add_server_args(
         FlexibleArgumentParser(description="atom OpenAI-compatible server")
     )
-    run_server(parser.parse_args(argv))
+    args = parser.parse_args(argv)
+    with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C: uvicorn already logged
+        run_server(args)
 
 
 if __name__ == "__main__":

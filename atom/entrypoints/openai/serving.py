@@ -74,7 +74,8 @@ def error_for(exc: BaseException) -> APIError:
 def sse_frame(chunk: BaseModel | dict) -> str:
     data = chunk.model_dump() if isinstance(chunk, BaseModel) else chunk
     # allow_nan=False: SSE consumers parse strict JSON, so floats must be finite.
-    return f"data: {json.dumps(data, allow_nan=False, ensure_ascii=False)}\n\n"
+    text = json.dumps(data, allow_nan=False, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {text}\n\n"
 
 
 SSE_DONE = "data: [DONE]\n\n"

@@ -16,16 +16,14 @@ from typing import NamedTuple
 
 import torch
 
-# Where each tensor family's init comes from; see `_init_tensor`.
-EMBED, LINEAR, HEAD, NORM, A_LOG, DT_BIAS, SMALL = (
-    "embed",
-    "linear",
-    "head",
-    "norm",
-    "a_log",
-    "dt_bias",
-    "small",
-)
+# Init rules, applied in `_init_tensor`.
+EMBED = "embed"  # N(0, 1)
+LINEAR = "linear"  # N(0, 1/fan_in), fan_in = last dim
+HEAD = "head"  # LINEAR times HEAD_GAIN
+NORM = "norm"  # 1 + N(0, 0.1^2)
+A_LOG = "a_log"  # log U(1, 16)
+DT_BIAS = "dt_bias"  # softplus^-1(log-uniform in [1e-3, 1e-1])
+SMALL = "small"  # N(0, 0.05^2), biases
 # Logit std ~2 instead of ~1: wider top-1 margins keep greedy argmax stable across
 # numerically different but correct implementations.
 HEAD_GAIN = 2.0

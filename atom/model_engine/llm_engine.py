@@ -1,0 +1,228 @@
+"""The offline engine: requests in, text out.
+
+The engine process is the head of stage 0: it owns the scheduler and the tokenizer,
+hands each batch to every rank, and applies each batch's one output message. Up to
+pp_size batches are in flight, so every stage has work.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import fields
+
+from tqdm import tqdm
+from transformers import AutoTokenizer
+
+from atom.config import Config
+from atom.model_engine.batch import ScheduledBatch
+from atom.model_engine.output_processor import OutputProcessor, RequestOutput
+from atom.model_engine.scheduler import Scheduler
+from atom.model_engine.sequence import Sequence
+from atom.model_engine.worker import InProcessWorker, WorkerGroup
+from atom.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+STATS_LOG_INTERVAL_S = 10.0
+
+
+class LLMEngine:
+    def __init__(self, model: str = "tiny-kimi-k3", **kwargs) -> None:
+        known = {f.name for f in fields(Config)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"unknown engine arguments: {', '.join(unknown)}")
+        self.config = config = Config(model=model, **kwargs)
+        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
+        self.model_name = model
+        self.max_model_len = config.max_model_len
+        num_checkpoints = config.max_num_seqs if config.enable_prefix_caching else 0
+        if config.parallel_config.world_size == 1:
+            self.workers = InProcessWorker(config, num_checkpoints)
+        else:
+            self.workers = WorkerGroup(config, num_checkpoints)
+        info = self.workers.info
+        self.scheduler = Scheduler(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=config.max_model_len,
+            block_size=config.block_size,
+            num_kv_blocks=info.num_kv_blocks,
+            enable_prefix_caching=config.enable_prefix_caching,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            has_recurrent_state=info.has_recurrent_state,
+            num_speculative_tokens=config.num_speculative_rows,
+            eos_token_id=self._eos_token_id(),
+            num_state_checkpoints=num_checkpoints,
+        )
+        self.outputs = OutputProcessor(self.tokenizer)
+        self.in_flight: deque[ScheduledBatch] = deque()
+        self.max_in_flight = config.pipeline_parallel_size
+        self._last_log = time.monotonic()
+        self._logged_tokens = 0
+        logger.info(
+            "engine ready: %s, tp=%d pp=%d, %d KV blocks of %d tokens, speculation %s",
+            model,
+            config.tensor_parallel_size,
+            config.pipeline_parallel_size,
+            info.num_kv_blocks,
+            config.block_size,
+            config.speculative_config.method if config.speculative_config else "off",
+        )
+
+    def _eos_token_id(self) -> int | list[int] | None:
+        hf = self.config.hf_config
+        eos = hf.get("eos_token_id", hf.text.get("eos_token_id"))
+        return eos if eos is not None else self.tokenizer.eos_token_id
+
+    # ---- requests ----
+    def add_request(
+        self,
+        prompt: str | list[int],
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        if isinstance(prompt, str):
+            token_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        else:
+            token_ids = list(prompt)
+        if not token_ids:
+            raise ValueError("prompt is empty")
+        vocab = self.config.hf_config.text.get("vocab_size")
+        if vocab is not None and any(not 0 <= t < vocab for t in token_ids):
+            raise ValueError(f"prompt token ids must lie in [0, {vocab})")
+        seq = Sequence(token_ids, sampling_params or SamplingParams(), request_id)
+        self.scheduler.add(seq)
+        self.outputs.add(seq)
+        return seq.request_id
+
+    def abort_request(self, request_id: str) -> None:
+        self.scheduler.abort(request_id)
+        self.outputs.drop(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.in_flight) or not self.scheduler.is_finished()
+
+    # ---- stepping ----
+    def step(self) -> list[RequestOutput]:
+        while len(self.in_flight) < self.max_in_flight:
+            batch = self.scheduler.schedule()
+            if batch is None:
+                break
+            self.workers.submit(batch)
+            if batch.produces_output:
+                self.in_flight.append(batch)
+            else:
+                self.scheduler.postprocess(batch, None)
+        if not self.in_flight:
+            return []
+        batch = self.in_flight.popleft()
+        self.scheduler.postprocess(batch, self.workers.receive_output())
+        results = []
+        for work in batch.seqs:
+            request_id = self.outputs.request_of_seq.get(work.seq_id)
+            if not work.sample or request_id is None:
+                continue
+            output, hit_stop = self.outputs.update(request_id)
+            if hit_stop:
+                self.scheduler.abort(request_id, "stop")
+            results.append(output)
+        self._maybe_log_stats()
+        return results
+
+    def generate(
+        self,
+        prompts: list[str] | list[list[int]] | str,
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[dict]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if not isinstance(sampling_params, list):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(
+                f"{len(prompts)} prompts but {len(sampling_params)} sampling params"
+            )
+        start = time.monotonic()
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, sampling_params)]
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm)
+        while len(done) < len(ids):
+            for out in self.step():
+                if out.finished:
+                    done[out.request_id] = out
+                    bar.update(1)
+        bar.close()
+        elapsed = time.monotonic() - start
+        return [
+            {
+                "text": done[r].text,
+                "token_ids": done[r].output_token_ids,
+                "finish_reason": done[r].finish_reason,
+                "num_tokens_input": len(done[r].prompt_token_ids),
+                "num_tokens_output": len(done[r].output_token_ids),
+                "latency": elapsed,
+            }
+            for r in ids
+        ]
+
+    # ---- statistics ----
+    def get_stats(self) -> dict:
+        s = self.scheduler.stats()
+        return {
+            "requests_running": s.num_running,
+            "requests_waiting": s.num_waiting,
+            "kv_cache_blocks_used": s.kv_blocks_used,
+            "kv_cache_blocks_free": s.kv_blocks_free,
+            "kv_cache_blocks_total": s.kv_blocks_total,
+            "kv_cache_usage_ratio": s.kv_usage,
+            "prompt_tokens": s.prompt_tokens,
+            "generation_tokens": s.generation_tokens,
+            "preemptions": s.num_preemptions,
+            "prefix_cache_queries": s.prefix_queried_tokens,
+            "prefix_cache_hits": s.prefix_hit_tokens,
+        }
+
+    def get_mtp_statistics(self) -> dict | None:
+        stats = self.scheduler.spec_stats
+        return stats.as_dict() if stats is not None else None
+
+    def format_mtp_stats_line(self) -> str | None:
+        stats = self.scheduler.spec_stats
+        return stats.format_line() if stats is not None else None
+
+    def _maybe_log_stats(self) -> None:
+        now = time.monotonic()
+        if now - self._last_log < STATS_LOG_INTERVAL_S:
+            return
+        s = self.scheduler.stats()
+        rate = (s.generation_tokens - self._logged_tokens) / (now - self._last_log)
+        logger.info(
+            "throughput %.1f tok/s, running %d, waiting %d, KV usage %.1f%%",
+            rate,
+            s.num_running,
+            s.num_waiting,
+            100 * s.kv_usage,
+        )
+        if (line := self.format_mtp_stats_line()) is not None:
+            logger.info(line)
+        self._last_log, self._logged_tokens = now, s.generation_tokens
+
+    def apply_chat_template(self, messages: list[dict]) -> str:
+        if getattr(self.tokenizer, "chat_template", None):
+            return self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True
+            )
+        lines = [f"{m.get('role', 'user')}: {m.get('content', '')}" for m in messages]
+        return "\n".join(lines) + "\nassistant:"
+
+    def close(self) -> None:
+        self.workers.close()
+
+    def __del__(self) -> None:
+        workers = getattr(self, "workers", None)
+        if workers is not None:
+            workers.close()

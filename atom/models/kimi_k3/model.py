@@ -1,0 +1,221 @@
+"""Kimi Linear / Kimi-K3 / K3.1 target models under pipeline x tensor parallelism.
+
+A stage builds only its layers (`make_layers`); the embedding exists where
+`pp_holds_embedding` says, the final norm / mix and the head on the last stage only.
+The forward branches on the stage's position, never on which modules exist: the last
+stage may hold an embedding copy for the DSpark drafter that the target never runs.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from atom.config import Config
+from atom.distributed.parallel_state import get_pp_group, get_tp_group
+from atom.model_ops.attn_res import attn_res_mix
+from atom.model_ops.embed_head import ParallelLMHead, VocabParallelEmbedding
+from atom.model_ops.layernorm import RMSNorm
+from atom.model_ops.linear import ReplicatedLinear
+from atom.models.kimi_k3.config import KimiTextConfig
+from atom.models.kimi_k3.layer import KimiDecoderLayer
+from atom.models.kimi_k3.names import map_text_checkpoint_name
+from atom.models.utils import (
+    IntermediateTensors,
+    PPMissingLayer,
+    make_layers,
+    maybe_prefix,
+    pp_holds_embedding,
+)
+
+
+def text_config_of(config: Config) -> KimiTextConfig:
+    text = config.hf_config.text
+    if text.get("tie_word_embeddings", False):
+        raise ValueError("tie_word_embeddings: true is not supported for Kimi targets")
+    return KimiTextConfig.from_hf(text, get_tp_group().world_size)
+
+
+class KimiLinearModel(nn.Module):
+    def __init__(self, config: Config, prefix: str = "") -> None:
+        super().__init__()
+        text = text_config_of(config)
+        self.text_config = text
+        self.vocab_size = text.vocab_size
+        self.hidden_size = text.hidden_size
+        self.attn_res = text.uses_attn_res
+        if pp_holds_embedding(config):
+            self.embed_tokens = VocabParallelEmbedding(text.vocab_size, text.hidden_size)
+        else:
+            self.embed_tokens = PPMissingLayer()
+
+        def build_layer(layer_prefix: str) -> KimiDecoderLayer:
+            index = int(layer_prefix.rsplit(".", 1)[1])
+            return KimiDecoderLayer(text, index, layer_prefix)
+
+        self.start_layer, self.end_layer, self.layers = make_layers(
+            text.num_hidden_layers,
+            build_layer,
+            maybe_prefix(prefix, "layers"),
+            config.pp_layer_partition,
+        )
+        last = get_pp_group().is_last_rank
+        hidden, eps = text.hidden_size, text.rms_norm_eps
+        self.norm = RMSNorm(hidden, eps=eps) if last else PPMissingLayer()
+        if self.attn_res:
+            self.output_attn_res_norm = (
+                RMSNorm(hidden, eps=eps) if last else PPMissingLayer()
+            )
+            self.output_attn_res_proj = (
+                ReplicatedLinear(hidden, 1) if last else PPMissingLayer()
+            )
+            self.pp_payload_keys = ("hidden_states", "block_residual")
+        else:
+            self.pp_payload_keys = ("hidden_states", "residual")
+
+    def make_empty_intermediate_tensors(
+        self, num_tokens: int, dtype: torch.dtype, device: torch.device | str
+    ) -> IntermediateTensors:
+        """Receive buffers of this stage: the bank holds ceil(start/bs) blocks."""
+        shape = (num_tokens, self.hidden_size)
+        tensors = {"hidden_states": torch.zeros(shape, dtype=dtype, device=device)}
+        if self.attn_res:
+            blocks = self.text_config.blocks_before(self.start_layer)
+            tensors["block_residual"] = torch.zeros(
+                num_tokens, blocks, self.hidden_size, dtype=dtype, device=device
+            )
+        else:
+            tensors["residual"] = torch.zeros(shape, dtype=dtype, device=device)
+        return IntermediateTensors(tensors)
+
+    def _stage_inputs(
+        self,
+        input_ids: torch.Tensor,
+        intermediate_tensors: IntermediateTensors | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        if get_pp_group().is_first_rank:
+            # A module call: the DSpark tap hook for -1 sits on embed_tokens.
+            hidden = self.embed_tokens(input_ids)
+            if not self.attn_res:
+                return hidden, None, None
+            return hidden, None, hidden.new_zeros(hidden.shape[0], 0, hidden.shape[1])
+        if intermediate_tensors is None:
+            raise ValueError("a non-first pipeline stage needs intermediate_tensors")
+        missing = set(self.pp_payload_keys) - set(intermediate_tensors.keys())
+        if missing:
+            raise ValueError(f"pipeline payload lacks {sorted(missing)}")
+        hidden = intermediate_tensors["hidden_states"]
+        if self.attn_res:
+            return hidden, None, intermediate_tensors["block_residual"]
+        return hidden, intermediate_tensors["residual"], None
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        intermediate_tensors: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        hidden, residual, bank = self._stage_inputs(input_ids, intermediate_tensors)
+        for layer in self.layers[self.start_layer : self.end_layer]:
+            hidden, residual, bank = layer(positions, hidden, residual, bank)
+        if not get_pp_group().is_last_rank:
+            if self.attn_res:
+                # Fold the pending FFN output in, so the payload is self-contained.
+                return IntermediateTensors(
+                    {"hidden_states": residual + hidden, "block_residual": bank}
+                )
+            return IntermediateTensors({"hidden_states": hidden, "residual": residual})
+        stream = residual + hidden
+        if self.attn_res:
+            stream = attn_res_mix(
+                bank,
+                stream,
+                self.output_attn_res_norm.weight,
+                self.output_attn_res_proj.weight,
+                self.text_config.rms_norm_eps,
+            )
+        return self.norm(stream)
+
+
+class KimiLinearForCausalLM(nn.Module):
+    """The text stack `model.*` plus the untied head `lm_head.*`."""
+
+    def __init__(self, config: Config, prefix: str = "") -> None:
+        super().__init__()
+        self.model = KimiLinearModel(config, maybe_prefix(prefix, "model"))
+        text = self.model.text_config
+        if get_pp_group().is_last_rank:
+            self.lm_head = ParallelLMHead(text.vocab_size, text.hidden_size)
+        else:
+            self.lm_head = PPMissingLayer()
+        self.pp_payload_keys = self.model.pp_payload_keys
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        intermediate_tensors: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        return self.model(input_ids, positions, intermediate_tensors)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """[N, V] over the full vocabulary (last stage; the final norm ran already)."""
+        if not get_pp_group().is_last_rank:
+            raise RuntimeError("compute_logits runs on the last pipeline stage only")
+        return self.lm_head.compute_logits(hidden_states)
+
+    def make_empty_intermediate_tensors(
+        self, num_tokens: int, dtype: torch.dtype, device: torch.device | str
+    ) -> IntermediateTensors:
+        return self.model.make_empty_intermediate_tensors(num_tokens, dtype, device)
+
+    def map_checkpoint_name(self, name: str) -> tuple[str, object] | None:
+        return map_text_checkpoint_name(name, self.model.text_config.num_hidden_layers)
+
+
+class KimiK3ForCausalLM(KimiLinearForCausalLM):
+    """The K3 text stack without a vision tower; same code, K3 features from config."""
+
+
+class KimiK3ForConditionalGeneration(nn.Module):
+    """Kimi-K3 (and K3.1 via ARCH_ALIASES): the text model under `language_model.`;
+    the vision tower and projector are not built and their tensors are skipped."""
+
+    skip_weight_prefixes = ("vision_tower.", "mm_projector.")
+    _TEXT = "language_model."
+
+    def __init__(self, config: Config, prefix: str = "") -> None:
+        super().__init__()
+        self.language_model = KimiK3ForCausalLM(
+            config, maybe_prefix(prefix, "language_model")
+        )
+        self.pp_payload_keys = self.language_model.pp_payload_keys
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        intermediate_tensors: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        return self.language_model(input_ids, positions, intermediate_tensors)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.language_model.compute_logits(hidden_states)
+
+    def make_empty_intermediate_tensors(
+        self, num_tokens: int, dtype: torch.dtype, device: torch.device | str
+    ) -> IntermediateTensors:
+        return self.language_model.make_empty_intermediate_tensors(
+            num_tokens, dtype, device
+        )
+
+    def map_checkpoint_name(self, name: str) -> tuple[str, object] | None:
+        # vLLM spells the layers `language_model.layers.`; accept both forms.
+        if name.startswith(self._TEXT + "layers."):
+            name = self._TEXT + "model." + name[len(self._TEXT) :]
+        if not name.startswith(self._TEXT):
+            return name, None
+        mapped = self.language_model.map_checkpoint_name(name[len(self._TEXT) :])
+        if mapped is None:
+            return None
+        return self._TEXT + mapped[0], mapped[1]

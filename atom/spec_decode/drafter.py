@@ -1,0 +1,224 @@
+"""The DSpark drafter: builds and loads the draft on the last stage and drives it.
+
+`load_model(target)`: build the draft class the registry names for the draft
+architecture, load it strictly, then (unless this is a context-only producer)
+bind the target's embedding and LM head and check that the bound table is real,
+and finally hook the target's resident taps. Per step the runner calls
+`precompute_context_kv` after every target forward and `propose` after sampling.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from atom.config import Config, is_context_only_producer
+from atom.distributed.parallel_state import get_pp_group, get_tp_group
+from atom.model_loader.loader import LoadReport, load_weights, parameter_bytes
+from atom.models.kimi_k3_dspark_config import DEFAULT_DRAFT_ARCHITECTURE
+from atom.models.registry import get_draft_model_class
+from atom.models.utils import PPMissingLayer, language_model_of
+from atom.spec_decode.aux_capture import TapCapture, allocate_tap_buffers
+from atom.spec_decode.dspark_proposer import markov_decode
+from atom.spec_decode.pp_aux_relay import tap_is_resident
+
+logger = logging.getLogger(__name__)
+
+# How verified KDA state is rolled back (the cache engine's per-row snapshots).
+KDA_ROLLBACK_MODE = "per-row snapshots"
+
+
+def check_shared_embedding(draft: nn.Module, will_propose: bool = True) -> None:
+    """Refuse a draft whose bound embedding is a PP placeholder (or unbound).
+
+    Inspects `draft.shared_embedding_attr` (default "embed_tokens"); a draft that
+    binds its table under another name and declares nothing is skipped.
+    """
+    attr = getattr(draft, "shared_embedding_attr", "embed_tokens")
+    if not hasattr(draft, attr):
+        return
+    embedding = getattr(draft, attr)
+    if isinstance(embedding, PPMissingLayer):
+        raise TypeError(
+            f"the draft's shared {attr} is a PPMissingLayer on pp_rank "
+            f"{get_pp_group().rank_in_group}: this stage built no embedding, so the "
+            "draft would embed from an unloaded table. pp_holds_embedding must "
+            "return True on the last stage for every method that "
+            "pp_speculative_methods declares for the architecture"
+        )
+    if embedding is None:
+        if will_propose:
+            raise TypeError(
+                f"the draft's shared {attr} is None although the drafter will "
+                "propose; share_with_target must bind the target's embedding "
+                "(see pp_holds_embedding and pp_speculative_methods)"
+            )
+        return
+    vocab = getattr(embedding, "num_embeddings", None)
+    draft_vocab = getattr(draft, "vocab_size", None)
+    if vocab is not None and draft_vocab is not None and vocab != draft_vocab:
+        raise ValueError(
+            f"the draft's shared {attr} has {vocab} rows, the draft vocab_size is "
+            f"{draft_vocab}"
+        )
+
+
+class Drafter:
+    """Owns the draft model, its tap buffers and the tap hooks of one last stage."""
+
+    def __init__(self, config: Config) -> None:
+        spec = config.speculative_config
+        if spec is None or spec.draft_hf_config is None or not spec.model:
+            raise ValueError("the drafter needs a speculative_config with a draft model")
+        if not spec.use_dspark():
+            raise ValueError(
+                f"speculative method {spec.method!r} has no drafter here; only "
+                "'dspark' is implemented"
+            )
+        self.config = config
+        self.draft_path = spec.model
+        self.draft_hf_config = spec.draft_hf_config
+        self.num_speculative_tokens = spec.num_speculative_tokens
+        self.will_propose = not is_context_only_producer(config)
+        archs = self.draft_hf_config.get("architectures") or []
+        self.architecture = archs[0] if archs else DEFAULT_DRAFT_ARCHITECTURE
+        self.model: nn.Module | None = None
+        self.load_report: LoadReport | None = None
+        self.tap_ids: list[int] = []
+        self.resident_taps: list[int] = []
+        self.tap_buffers: list[torch.Tensor] = []
+        self.capture: TapCapture | None = None
+        self.own_parameter_bytes = 0
+        self.shared_parameter_bytes = 0
+
+    def load_model(self, target: nn.Module) -> None:
+        """Build, load, bind to `target` (the full target model) and arm tap capture.
+
+        Build under the caller's default device and dtype, like the target.
+        """
+        draft_cls = get_draft_model_class(self.architecture)
+        draft = draft_cls(self.draft_hf_config, self.config.hf_config.text)
+        self.load_report = load_weights(draft, self.draft_path)
+        target_lm = language_model_of(target)
+        if self.will_propose:
+            draft.share_with_target(target_lm)
+            check_shared_embedding(draft)
+        else:
+            # A producer never embeds a block; the vocabulary must still match.
+            draft.validate_target_vocab(target_lm)
+        self.model = draft.eval()
+        self.own_parameter_bytes = parameter_bytes(draft)
+        self.shared_parameter_bytes = draft.shared_parameter_bytes()
+        self._arm_aux_capture(target_lm.model)
+        self._log_startup()
+
+    def _arm_aux_capture(self, target_base: nn.Module) -> None:
+        self.tap_ids = list(self.model.tap_ids)
+        weight = self.model.context_proj.weight
+        self.tap_buffers = allocate_tap_buffers(
+            len(self.tap_ids),
+            self.config.max_num_batched_tokens,
+            self.model.config.target_hidden_size,
+            weight.device,
+            weight.dtype,
+        )
+        # Non-resident taps (always -1 on a pp > 1 last stage) come via the relay.
+        self.resident_taps = [t for t in self.tap_ids if tap_is_resident(target_base, t)]
+        buffers = {t: self.tap_buffers[self.tap_ids.index(t)] for t in self.resident_taps}
+        self.capture = TapCapture(target_base, buffers)
+
+    def _log_startup(self) -> None:
+        relayed = [t for t in self.tap_ids if t not in self.resident_taps]
+        sharing = (
+            "embedding + lm_head shared with the target"
+            if self.will_propose
+            else "not bound (context-only producer)"
+        )
+        logger.info(
+            "[drafter pp_rank %d tp_rank %d] %s: T=%d, taps %s (resident %s, relayed "
+            "%s), mask id %d, markov rank %d, %s, KDA rollback %s; draft parameters "
+            "own %.2f MiB, shared %.2f MiB (counted by the target)",
+            get_pp_group().rank_in_group,
+            get_tp_group().rank_in_group,
+            self.architecture,
+            self.num_speculative_tokens,
+            self.tap_ids,
+            self.resident_taps,
+            relayed,
+            self.model.mask_token_id,
+            self.model.config.markov_rank,
+            sharing,
+            KDA_ROLLBACK_MODE,
+            self.own_parameter_bytes / 2**20,
+            self.shared_parameter_bytes / 2**20,
+        )
+
+    @torch.inference_mode()
+    def precompute_context_kv(
+        self, positions: torch.Tensor, slot_mapping: torch.Tensor, num_tokens: int
+    ) -> None:
+        """Write draft context rows for the N rows of the target forward just run.
+
+        Call after every target forward on the last stage (prefill chunks that
+        sample nothing included), after the relay's `absorb`, with that forward's
+        positions and slot mapping.
+        """
+        if num_tokens == 0:
+            return
+        taps = torch.cat([buf[:num_tokens] for buf in self.tap_buffers], dim=-1)
+        self.model.write_context_kv(
+            taps, positions[:num_tokens], slot_mapping[:num_tokens]
+        )
+
+    @torch.inference_mode()
+    def propose(
+        self,
+        anchor_ids: Sequence[int] | torch.Tensor,
+        anchor_positions: Sequence[int] | torch.Tensor,
+        block_tables: list[list[int]],
+        temperatures: Sequence[float],
+        top_ks: Sequence[int],
+        top_ps: Sequence[float],
+        generators: Sequence[torch.Generator | None],
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(drafts [B, T] long, q [B, T, V] fp32 or None when all greedy).
+
+        anchor_positions[b] is the position the anchor token is committed at; its
+        drafts are for the next T positions.
+        """
+        if not self.will_propose:
+            raise RuntimeError("a context-only producer writes context KV, never drafts")
+        anchors = [int(a) for a in anchor_ids]
+        positions = [int(p) for p in anchor_positions]
+        num_seqs, width = len(anchors), self.num_speculative_tokens
+        if len(positions) != num_seqs or len(block_tables) != num_seqs:
+            raise ValueError(
+                f"{num_seqs} anchors, {len(positions)} positions and "
+                f"{len(block_tables)} block tables must agree"
+            )
+        device = self.tap_buffers[0].device
+        if num_seqs == 0:
+            return torch.empty(0, width, dtype=torch.long, device=device), None
+        bad = [a for a in anchors if not 0 <= a < self.model.vocab_size]
+        if bad:
+            raise ValueError(
+                f"anchor ids {bad} lie outside the vocabulary [0, "
+                f"{self.model.vocab_size})"
+            )
+        anchor_tensor = torch.tensor(anchors, dtype=torch.long, device=device)
+        position_tensor = torch.tensor(positions, dtype=torch.long, device=device)
+        base_logits = self.model.block_forward(
+            anchor_tensor, position_tensor, block_tables, width
+        )
+        return markov_decode(
+            base_logits,
+            anchor_tensor,
+            self.model.markov_bias,
+            temperatures,
+            top_ks,
+            top_ps,
+            generators,
+        )

@@ -1,0 +1,431 @@
+import pytest
+
+from atom.model_engine.batch import BatchOutput, ScheduledBatch
+from atom.model_engine.scheduler import Scheduler
+from atom.model_engine.sequence import Sequence, SequenceStatus
+from atom.sampling_params import SamplingParams
+
+EOS = 2
+
+
+def make_scheduler(**overrides) -> Scheduler:
+    args = dict(
+        max_num_seqs=4,
+        max_num_batched_tokens=16,
+        max_model_len=64,
+        block_size=4,
+        num_kv_blocks=64,
+        enable_prefix_caching=True,
+        enable_chunked_prefill=True,
+        eos_token_id=EOS,
+    )
+    args.update(overrides)
+    return Scheduler(**args)
+
+
+def seq_of(tokens, **params) -> Sequence:
+    return Sequence(list(tokens), SamplingParams(**params))
+
+
+def answer(batch: ScheduledBatch, emitted=None, accepted=None, drafts=None):
+    """BatchOutput for `batch`: defaults to one token 50 per sampled sequence."""
+    ids = batch.sample_seq_ids
+    emitted = emitted or [[50] for _ in ids]
+    accepted = accepted or [len(e) - 1 for e in emitted]
+    drafts = drafts or [[] for _ in ids]
+    return BatchOutput(batch.batch_id, ids, emitted, accepted, drafts)
+
+
+def run_until_sampled(sched: Scheduler, drafts=None) -> ScheduledBatch:
+    """Schedule (and retire output-less batches) until a batch samples; answer it."""
+    while True:
+        batch = sched.schedule()
+        assert batch is not None
+        if batch.produces_output:
+            sched.postprocess(batch, answer(batch, drafts=drafts))
+            return batch
+        sched.postprocess(batch, None)
+
+
+# ---- chunked prefill and batching ----
+def test_chunked_prefill_splits_on_the_token_budget():
+    sched = make_scheduler(max_num_batched_tokens=8)
+    seq = seq_of(range(10, 30))
+    sched.add(seq)
+    chunks = []
+    while (batch := sched.schedule()) is not None:
+        assert batch.num_tokens <= 8
+        (work,) = batch.seqs
+        chunks.append((work.context_len, len(work.token_ids), work.sample))
+        if not batch.produces_output:
+            sched.postprocess(batch, None)
+    assert chunks == [(0, 8, False), (8, 8, False), (16, 4, True)]
+    assert work.token_ids == list(range(26, 30))
+
+
+def test_budget_is_shared_and_the_second_prompt_continues_next_batch():
+    sched = make_scheduler(max_num_batched_tokens=16)
+    a, b = seq_of(range(10, 20)), seq_of(range(30, 40))
+    sched.add(a)
+    sched.add(b)
+    first = sched.schedule()
+    assert [(w.seq_id, len(w.token_ids), w.sample) for w in first.seqs] == [
+        (a.seq_id, 10, True),
+        (b.seq_id, 6, False),
+    ]
+    second = sched.schedule()
+    assert [(w.seq_id, w.context_len, len(w.token_ids)) for w in second.seqs] == [
+        (b.seq_id, 6, 4)
+    ]
+
+
+def test_without_chunking_a_prompt_waits_for_a_batch_it_fits_in():
+    sched = make_scheduler(
+        max_num_batched_tokens=64, enable_chunked_prefill=False, num_kv_blocks=64
+    )
+    a, b = seq_of(range(40)), seq_of(range(100, 140))
+    sched.add(a)
+    sched.add(b)
+    assert [w.seq_id for w in sched.schedule().seqs] == [a.seq_id]
+    assert [len(w.token_ids) for w in sched.schedule().seqs] == [40]
+    with pytest.raises(ValueError, match="max_model_len"):
+        make_scheduler(max_num_batched_tokens=32, enable_chunked_prefill=False)
+
+
+def test_continuous_batching_admits_new_requests_between_decode_steps():
+    sched = make_scheduler()
+    a = seq_of(range(10, 15), max_tokens=10)
+    sched.add(a)
+    run_until_sampled(sched)
+    decode = sched.schedule()
+    assert decode.seqs[0].token_ids == [50] and decode.seqs[0].context_len == 5
+    sched.postprocess(decode, answer(decode, [[51]]))
+    b = seq_of(range(20, 23))
+    sched.add(b)
+    # Prefill first: the newcomer runs alone, then both decode together.
+    prefill = sched.schedule()
+    assert [w.seq_id for w in prefill.seqs] == [b.seq_id]
+    sched.postprocess(prefill, answer(prefill))
+    both = sched.schedule()
+    assert [(w.seq_id, w.context_len) for w in both.seqs] == [
+        (a.seq_id, 6),
+        (b.seq_id, 3),
+    ]
+    assert a.output_token_ids == [50, 51]
+
+
+def test_max_num_seqs_bounds_running_sequences():
+    sched = make_scheduler(max_num_seqs=2)
+    seqs = [seq_of([i + 10] * 3) for i in range(3)]
+    for seq in seqs:
+        sched.add(seq)
+    batch = sched.schedule()
+    assert len(batch.seqs) == 2 and len(sched.running) == 2
+    assert sched.stats().num_waiting == 1
+
+
+def test_eos_and_max_tokens_finish_and_free_resources():
+    sched = make_scheduler()
+    a, b = seq_of([5, 6, 7], max_tokens=1), seq_of([8, 9])
+    sched.add(a)
+    sched.add(b)
+    batch = sched.schedule()
+    finished = sched.postprocess(batch, answer(batch, [[40], [EOS]]))
+    assert [s.finish_reason for s in finished] == ["length", "stop"]
+    assert sched.is_finished() and sched.block_manager.num_used_blocks == 0
+    assert sched.state_slots.num_free == 4
+    ignore = seq_of([5, 6], ignore_eos=True, max_tokens=2)
+    sched.add(ignore)
+    batch = sched.schedule()
+    # The last stage learns of finished sequences with the next batch.
+    assert batch.finished_seq_ids == [a.seq_id, b.seq_id]
+    sched.postprocess(batch, answer(batch))
+    batch = sched.schedule()
+    assert batch.finished_seq_ids == []
+    assert sched.postprocess(batch, answer(batch, [[EOS]])) == [ignore]
+    assert ignore.output_token_ids == [50, EOS]
+
+
+# ---- preemption ----
+def test_preemption_frees_the_sequence_and_recomputes_it_later():
+    sched = make_scheduler(
+        max_model_len=20, num_kv_blocks=5, enable_prefix_caching=False
+    )
+    a, b = seq_of(range(10, 17), max_tokens=3), seq_of(range(20, 27), max_tokens=3)
+    sched.add(a)
+    sched.add(b)
+    run_until_sampled(sched)  # both prompts: 2 blocks each
+    step = sched.schedule()
+    sched.postprocess(step, answer(step, [[60], [61]]))  # 9 tokens each
+    step = sched.schedule()  # a takes the last block; b has none left
+    assert [w.seq_id for w in step.seqs] == [a.seq_id]
+    assert b.status is SequenceStatus.WAITING and b.block_table == []
+    assert b.num_computed_tokens == 0 and sched.stats().num_preemptions == 1
+    sched.postprocess(step, answer(step, [[62]]))
+    assert a.is_finished
+    redo = sched.schedule()
+    (work,) = redo.seqs
+    assert (work.seq_id, work.context_len, work.sample) == (b.seq_id, 0, True)
+    assert work.token_ids == list(range(20, 27)) + [50, 61]
+
+
+def test_output_in_flight_for_a_preempted_or_aborted_sequence_is_ignored():
+    sched = make_scheduler(
+        max_model_len=20, num_kv_blocks=5, enable_prefix_caching=False
+    )
+    b = seq_of(range(20, 28))
+    sched.add(b)
+    run_until_sampled(sched)
+    b_decode = sched.schedule()  # b: 3 blocks; its output stays in flight
+    a = seq_of(range(10, 18))
+    sched.add(a)
+    run_until_sampled(sched)  # a: 2 blocks, none left
+    a_decode = sched.schedule()  # a needs a third block: b is preempted
+    assert [w.seq_id for w in a_decode.seqs] == [a.seq_id]
+    assert b.status is SequenceStatus.WAITING
+    assert sched.postprocess(b_decode, answer(b_decode, [[70]])) == []
+    assert b.output_token_ids == [50]
+    sched.abort(a.request_id)
+    assert sched.postprocess(a_decode, answer(a_decode, [[71]])) == []
+    assert a.output_token_ids == [50] and a.finish_reason == "abort"
+    assert a.seq_id in sched.schedule().finished_seq_ids
+
+
+# ---- prefix caching ----
+def test_prefix_hit_reuses_full_blocks_and_computes_the_rest():
+    sched = make_scheduler()
+    first = seq_of(range(10, 20))
+    sched.add(first)
+    run_until_sampled(sched)
+    longer = seq_of(list(range(10, 20)) + [1, 1])
+    sched.add(longer)
+    (work,) = sched.schedule().seqs
+    assert longer.num_cached_tokens == 8
+    assert (work.context_len, work.token_ids) == (8, [18, 19, 1, 1])
+    assert work.block_table[:2] == first.block_table[:2]
+    assert work.state_fork_src is None
+
+
+def test_full_prefix_hit_still_computes_one_block():
+    sched = make_scheduler()
+    first = seq_of(range(10, 18))
+    sched.add(first)
+    run_until_sampled(sched)
+    same = seq_of(range(10, 18))
+    sched.add(same)
+    (work,) = sched.schedule().seqs
+    assert (work.context_len, len(work.token_ids), work.sample) == (4, 4, True)
+
+
+def test_blocks_written_in_a_batch_are_not_hits_within_it():
+    sched = make_scheduler(max_num_batched_tokens=32)
+    a, b = seq_of(range(10, 20)), seq_of(range(10, 20))
+    sched.add(a)
+    sched.add(b)
+    batch = sched.schedule()
+    assert [w.context_len for w in batch.seqs] == [0, 0]
+    c = seq_of(range(10, 20))
+    sched.add(c)
+    sched.postprocess(batch, answer(batch))
+    assert sched.schedule().seqs[0].context_len == 8
+
+
+# ---- hybrid (recurrent state) prefix caching ----
+def hybrid_scheduler(**overrides) -> Scheduler:
+    args = dict(has_recurrent_state=True, num_state_checkpoints=2)
+    args.update(overrides)
+    return make_scheduler(**args)
+
+
+def test_hybrid_prefill_ends_a_chunk_at_the_last_full_block_and_saves_state():
+    sched = hybrid_scheduler()
+    seq = seq_of(range(10, 20))
+    sched.add(seq)
+    first = sched.schedule()
+    (work,) = first.seqs
+    assert (work.context_len, len(work.token_ids), work.sample) == (0, 8, False)
+    assert work.state_save_dst is not None
+    assert sched.max_num_seqs <= work.state_save_dst < sched.num_state_slots
+    (rest,) = sched.schedule().seqs
+    assert (rest.context_len, rest.token_ids, rest.sample) == (8, [18, 19], True)
+    assert rest.state_save_dst is None and rest.state_fork_src is None
+
+
+def test_hybrid_hit_forks_the_saved_state():
+    sched = hybrid_scheduler()
+    sched.add(seq_of(range(10, 20)))
+    first = sched.schedule()
+    save_slot = first.seqs[0].state_save_dst
+    run_until_sampled(sched)
+    again = seq_of(list(range(10, 20)) + [3])
+    sched.add(again)
+    (work,) = sched.schedule().seqs
+    assert (work.context_len, work.state_fork_src) == (8, save_slot)
+    assert work.state_slot != save_slot and work.state_save_dst is None
+
+
+def test_hybrid_hit_is_cut_back_to_a_checkpointed_boundary():
+    sched = hybrid_scheduler()
+    a = seq_of(range(10, 20), max_tokens=20)
+    sched.add(a)
+    save_slot = sched.schedule().seqs[0].state_save_dst
+    run_until_sampled(sched)
+    for token in range(60, 67):  # decode to 17 tokens: blocks 2 and 3 become full
+        step = sched.schedule()
+        sched.postprocess(step, answer(step, [[token]]))
+    probe = seq_of(a.token_ids[:16] + [1, 1])
+    assert sched.block_manager.num_cached_prefix_blocks(probe) == 4
+    sched.add(probe)
+    (work,) = sched.schedule().seqs
+    # KV exists for 16 tokens, but the only saved state is at token 8.
+    assert (work.context_len, work.state_fork_src) == (8, save_slot)
+    no_state = seq_of(a.token_ids[:4] + [9, 9, 9, 9, 9])
+    sched.add(no_state)
+    (work,) = [w for w in sched.schedule().seqs if w.seq_id == no_state.seq_id]
+    assert (work.context_len, work.state_fork_src) == (0, None)
+
+
+def test_hybrid_same_prompt_in_one_batch_does_not_fork_a_pending_save():
+    sched = hybrid_scheduler()
+    a, b = seq_of(range(10, 20)), seq_of(range(10, 20))
+    sched.add(a)
+    sched.add(b)
+    works = sched.schedule().seqs
+    assert [w.state_fork_src for w in works] == [None, None]
+    # One save is enough: b sees the reservation and runs its prompt unsplit.
+    assert works[0].state_save_dst is not None and len(works[0].token_ids) == 8
+    assert works[1].state_save_dst is None and len(works[1].token_ids) == 8
+
+
+def test_checkpoint_is_invalidated_when_its_block_is_reused():
+    sched = hybrid_scheduler(max_model_len=16, num_kv_blocks=4)
+    a = seq_of(range(10, 19), max_tokens=1)
+    sched.add(a)
+    run_until_sampled(sched)
+    saved_hash = sched.block_manager.block_hash(a, 1)
+    assert a.is_finished and sched.checkpoints.lookup(saved_hash) is not None
+    filler = seq_of(range(30, 44), max_tokens=1)  # needs all 4 blocks
+    sched.add(filler)
+    run_until_sampled(sched)
+    assert saved_hash not in sched.checkpoints
+    assert len(sched.checkpoints) == 1  # the filler's own checkpoint
+    again = seq_of(range(10, 19))
+    sched.add(again)
+    (work,) = sched.schedule().seqs
+    assert (work.context_len, work.state_fork_src) == (0, None)
+
+
+# ---- speculative decoding ----
+def spec_scheduler(**overrides) -> Scheduler:
+    args = dict(num_speculative_tokens=3)
+    args.update(overrides)
+    return make_scheduler(**args)
+
+
+def test_verify_rows_commits_and_drafts_flow_between_batches():
+    sched = spec_scheduler()
+    seq = seq_of(range(10, 16), max_tokens=20)
+    sched.add(seq)
+    run_until_sampled(sched, drafts=[[71, 72, 73]])
+    verify = sched.schedule()
+    (work,) = verify.seqs
+    assert (work.token_ids, work.context_len, work.num_spec_tokens) == (
+        [50, 71, 72, 73],
+        6,
+        3,
+    )
+    assert verify.spec_commits == []
+    # KV slots for the 4 verify rows plus 3 drafter block rows after them.
+    assert len(work.block_table) * 4 >= 6 + 4 + 3
+    sched.postprocess(verify, answer(verify, [[71, 90]], [1], [[81, 82, 83]]))
+    assert seq.output_token_ids == [50, 71, 90]
+    assert seq.num_computed_tokens == seq.num_tokens - 1
+    nxt = sched.schedule()
+    assert nxt.spec_commits == [(work.state_slot, 2)]
+    assert (nxt.seqs[0].token_ids, nxt.seqs[0].context_len) == ([90, 81, 82, 83], 8)
+    assert sched.spec_stats.total_draft_tokens == 3
+    assert sched.spec_stats.total_accepted_tokens == 1
+
+
+def test_stop_inside_the_accepted_block_discards_later_tokens():
+    sched = spec_scheduler()
+    seq = seq_of(range(10, 16), max_tokens=20)
+    sched.add(seq)
+    run_until_sampled(sched, drafts=[[71, EOS, 73]])
+    verify = sched.schedule()
+    out = answer(verify, [[71, EOS, 73, 99]], [3], [[1, 1, 1]])
+    assert sched.postprocess(verify, out) == [seq]
+    assert seq.output_token_ids == [50, 71, EOS] and seq.finish_reason == "stop"
+    # Acceptance is the drafter's: counted before the truncation.
+    assert sched.spec_stats.total_accepted_tokens == 3
+    sched.add(seq_of([5, 5]))
+    nxt = sched.schedule()
+    assert nxt.finished_seq_ids == [seq.seq_id] and nxt.spec_commits == []
+
+
+def test_fewer_drafts_are_verified_near_max_tokens_and_max_model_len():
+    sched = spec_scheduler()
+    seq = seq_of(range(10, 16), max_tokens=3)
+    sched.add(seq)
+    run_until_sampled(sched, drafts=[[71, 72, 73]])
+    (work,) = sched.schedule().seqs
+    # 2 tokens may still be emitted: verify 1 draft (+1 bonus).
+    assert (work.token_ids, work.num_spec_tokens) == ([50, 71], 1)
+
+    sched = spec_scheduler(max_model_len=10)
+    seq = seq_of(range(10, 17), max_tokens=20)
+    sched.add(seq)
+    run_until_sampled(sched, drafts=[[71, 72, 73]])
+    verify = sched.schedule()
+    assert verify.seqs[0].num_spec_tokens == 1  # 8 tokens now, room for 2 more
+    finished = sched.postprocess(verify, answer(verify, [[71, 72]], [1], [[1, 1, 1]]))
+    assert finished == [seq] and seq.finish_reason == "length"
+    assert seq.num_tokens == 10
+
+
+def test_verify_result_is_checked_against_the_drafts():
+    sched = spec_scheduler()
+    sched.add(seq_of(range(10, 16)))
+    run_until_sampled(sched, drafts=[[71, 72, 73]])
+    verify = sched.schedule()
+    with pytest.raises(RuntimeError, match="differ from the drafts"):
+        sched.postprocess(verify, answer(verify, [[71, 99, 5]], [2], [[1, 1, 1]]))
+    with pytest.raises(RuntimeError, match="emitted tokens"):
+        sched.postprocess(verify, answer(verify, [[71, 72]], [2], [[1, 1, 1]]))
+
+
+# ---- protocol ----
+def test_output_of_another_batch_raises():
+    sched = make_scheduler()
+    sched.add(seq_of([5, 6, 7]))
+    batch = sched.schedule()
+    wrong = BatchOutput(batch.batch_id + 1, batch.sample_seq_ids, [[1]], [0], [[]])
+    with pytest.raises(RuntimeError, match="out of step"):
+        sched.postprocess(batch, wrong)
+    stranger = BatchOutput(batch.batch_id, [12345], [[1]], [0], [[]])
+    with pytest.raises(RuntimeError, match="expected"):
+        sched.postprocess(batch, stranger)
+    with pytest.raises(RuntimeError, match="without a BatchOutput"):
+        sched.postprocess(batch, None)
+
+
+def test_batch_ids_are_monotonic_and_pipelined_chunks_advance():
+    sched = make_scheduler(max_num_batched_tokens=4)
+    sched.add(seq_of(range(10, 20)))
+    batches = [sched.schedule() for _ in range(3)]
+    assert [b.batch_id for b in batches] == [0, 1, 2]
+    assert [b.seqs[0].context_len for b in batches] == [0, 4, 8]
+    assert sched.schedule() is None  # waiting for the sampled token
+
+
+def test_bad_requests_are_refused():
+    sched = make_scheduler(max_model_len=8)
+    with pytest.raises(ValueError, match="max_model_len"):
+        sched.add(seq_of(range(8)))
+    seq = seq_of([1])
+    sched.add(seq)
+    with pytest.raises(ValueError, match="already"):
+        sched.add(seq)
+    with pytest.raises(ValueError, match="KV blocks"):
+        make_scheduler(max_model_len=64, num_kv_blocks=8)
+    assert sched.abort("no-such-request") is None

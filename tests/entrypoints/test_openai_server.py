@@ -1,0 +1,309 @@
+"""End to end: the real server process on tiny-kimi-k3, driven over HTTP."""
+
+import asyncio
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+MODEL = "tiny-kimi-k3"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+STARTUP_TIMEOUT_S = 180
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Server:
+    def __init__(self, process: subprocess.Popen, base_url: str, log_path: Path):
+        self.process = process
+        self.base_url = base_url
+        self.log_path = log_path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def get(self, path: str) -> httpx.Response:
+        return httpx.get(self.base_url + path, timeout=30)
+
+    def post(self, path: str, body: dict | str) -> httpx.Response:
+        if isinstance(body, str):
+            return httpx.post(self.base_url + path, content=body, timeout=120)
+        return httpx.post(self.base_url + path, json=body, timeout=120)
+
+    def metric(self, name: str) -> float:
+        for line in self.get("/metrics").text.splitlines():
+            if line.startswith(f"atom:{name}{{"):
+                return float(line.rsplit(" ", 1)[1])
+        raise AssertionError(f"atom:{name} missing from /metrics")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    port = free_port()
+    log_path = tmp_path_factory.mktemp("server") / "server.log"
+    command = [
+        sys.executable,
+        "-m",
+        "atom.entrypoints.openai_server",
+        "--model",
+        MODEL,
+        "--server-port",
+        str(port),
+        "--host",
+        "127.0.0.1",
+        "--device",
+        "cpu",
+        "--log-stats-interval",
+        "1",
+    ]
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(
+            command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT
+        )
+    running = Server(process, f"http://127.0.0.1:{port}", log_path)
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while True:
+        if process.poll() is not None:
+            pytest.fail(f"server exited with {process.returncode}:\n{running.log()}")
+        try:
+            if running.get("/health").status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            process.kill()
+            pytest.fail(f"server never became healthy:\n{running.log()}")
+        time.sleep(0.5)
+    yield running
+    if process.poll() is None:
+        process.kill()
+        process.wait()
+
+
+def sse_payloads(body: str) -> list:
+    """Decoded `data:` payloads; every frame must be `data: ...` + a blank line."""
+    assert body.endswith("\n\n")
+    frames = body[:-2].split("\n\n")
+    assert all(frame.startswith("data: ") for frame in frames), frames
+    assert frames[-1] == "data: [DONE]"
+    return [json.loads(frame[len("data: ") :]) for frame in frames[:-1]]
+
+
+def error_of(response: httpx.Response, status: int) -> str:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["code"] == status and error["type"]
+    return error["message"]
+
+
+def test_health_models_and_server_info(server):
+    assert server.get("/health").json() == {"status": "ok"}
+    (card,) = server.get("/v1/models").json()["data"]
+    assert card["id"] == MODEL and card["owned_by"] == "atom"
+    info = server.get("/server_info").json()
+    assert info["served_model_name"] == MODEL and info["max_model_len"] > 0
+    assert server.get("/debug/mtp_stats").json() == {"enabled": False}
+
+
+def test_greedy_completion_is_repeatable_and_counted(server):
+    body = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 8}
+    body |= {"temperature": 0, "ignore_eos": True}
+    first, second = server.post("/v1/completions", body), server.post(
+        "/v1/completions", body
+    )
+    assert first.status_code == second.status_code == 200, first.text
+    choice = first.json()["choices"][0]
+    assert choice["finish_reason"] == "length"
+    assert choice["text"] == second.json()["choices"][0]["text"]
+    usage = first.json()["usage"]
+    assert usage["completion_tokens"] == 8 and usage["prompt_tokens"] > 0
+    assert usage["total_tokens"] == usage["prompt_tokens"] + 8
+
+
+def test_stream_equals_the_non_streamed_text(server):
+    body = {"prompt": "Once upon a time", "max_tokens": 12, "temperature": 0}
+    body |= {"ignore_eos": True}
+    whole = server.post("/v1/completions", body).json()["choices"][0]["text"]
+    streamed = server.post(
+        "/v1/completions",
+        body | {"stream": True, "stream_options": {"include_usage": True}},
+    )
+    assert streamed.headers["content-type"].startswith("text/event-stream")
+    payloads = sse_payloads(streamed.text)
+    *chunks, usage_chunk = payloads
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole
+    assert [c["choices"][0]["finish_reason"] for c in chunks][-1] == "length"
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+    assert usage_chunk["choices"] == []
+    assert usage_chunk["usage"]["completion_tokens"] == 12
+    assert len({p["id"] for p in payloads}) == 1
+
+
+def test_chat_completion_and_its_stream(server):
+    body = {
+        "messages": [{"role": "user", "content": "Say hello."}],
+        "max_completion_tokens": 6,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    response = server.post("/v1/chat/completions", body)
+    assert response.status_code == 200, response.text
+    message = response.json()["choices"][0]["message"]
+    assert message["role"] == "assistant"
+    assert response.json()["usage"]["completion_tokens"] == 6
+    payloads = sse_payloads(
+        server.post("/v1/chat/completions", body | {"stream": True}).text
+    )
+    assert payloads[0]["object"] == "chat.completion.chunk"
+    assert payloads[0]["choices"][0]["delta"]["role"] == "assistant"
+    text = "".join(p["choices"][0]["delta"].get("content", "") for p in payloads)
+    assert text == message["content"]
+    assert payloads[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_token_id_and_batched_prompts(server):
+    body = {"prompt": [[5, 6, 7], "Hi"], "max_tokens": 3, "ignore_eos": True}
+    choices = server.post("/v1/completions", body | {"temperature": 0}).json()
+    assert [c["index"] for c in choices["choices"]] == [0, 1]
+    assert choices["usage"]["completion_tokens"] == 6
+    single = server.post(
+        "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0}
+    )
+    assert single.json()["choices"][0]["text"] == choices["choices"][0]["text"]
+
+
+def test_bad_requests_fail_alone_while_others_are_served(server):
+    max_model_len = server.get("/server_info").json()["max_model_len"]
+    good = {"prompt": "Count: one, two,", "max_tokens": 16, "temperature": 0}
+    good |= {"ignore_eos": True}
+    bad = [
+        ("{not json", 400, "malformed JSON"),
+        ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+        ({"prompt": "x", "max_tokens": -5}, 400, "max_tokens"),
+        ({"prompt": "x", "max_tokens": "ten"}, 400, "max_tokens"),
+        ({"prompt": "x", "temperature": "hot"}, 400, "temperature"),
+        ({"prompt": "x", "n": 2}, 400, "n must be 1"),
+        ({"prompt": "x", "model": "gpt-4o"}, 404, "gpt-4o"),
+        ({"prompt": [7] * (max_model_len + 1)}, 400, str(max_model_len)),
+        ({"prompt": [10**7]}, 400, "vocabulary"),
+        ({"max_tokens": 3}, 400, "prompt"),
+    ]
+
+    async def drive():
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=120) as client:
+
+            async def send(body):
+                if isinstance(body, str):
+                    return await client.post("/v1/completions", content=body)
+                return await client.post("/v1/completions", json=body)
+
+            good_calls = [send(good) for _ in range(3)]
+            stream = client.post("/v1/completions", json=good | {"stream": True})
+            return await asyncio.gather(
+                *good_calls, stream, *(send(body) for body, _, _ in bad)
+            )
+
+    responses = asyncio.run(drive())
+    goods, streamed, bads = responses[:3], responses[3], responses[4:]
+    texts = {r.json()["choices"][0]["text"] for r in goods}
+    assert len(texts) == 1  # same greedy text despite the failing neighbours
+    assert "".join(
+        p["choices"][0]["text"] for p in sse_payloads(streamed.text)
+    ) == next(iter(texts))
+    for response, (_, status, needle) in zip(bads, bad, strict=True):
+        assert needle in error_of(response, status)
+    assert server.get("/health").json() == {"status": "ok"}
+    after = server.post("/v1/completions", good)
+    assert after.json()["choices"][0]["text"] == next(iter(texts))
+
+
+def test_chat_errors(server):
+    assert "messages" in error_of(server.post("/v1/chat/completions", {}), 400)
+    image = {"type": "image_url", "image_url": {"url": "http://x/y.png"}}
+    body = {"messages": [{"role": "user", "content": [image]}]}
+    assert "text" in error_of(server.post("/v1/chat/completions", body), 400)
+
+
+def test_client_disconnect_aborts_the_request(server):
+    before = server.metric("generation_tokens_total")
+    max_tokens = 4000
+    body = {"prompt": "Go on and on:", "max_tokens": max_tokens, "ignore_eos": True}
+    with httpx.Client(base_url=server.base_url, timeout=60) as client:
+        with client.stream(
+            "POST", "/v1/completions", json=body | {"stream": True}
+        ) as r:
+            assert r.status_code == 200
+            next(r.iter_lines())  # the first token arrived; now hang up
+    deadline = time.monotonic() + 15
+    while server.metric("requests_running") + server.metric("requests_waiting") > 0:
+        assert time.monotonic() < deadline, "the abandoned request kept running"
+        time.sleep(0.2)
+    assert server.metric("generation_tokens_total") - before < max_tokens
+
+
+def test_metrics_are_prometheus_text(server):
+    response = server.get("/metrics")
+    assert response.headers["content-type"].startswith("text/plain")
+    text = response.text
+    for name in ["requests_running", "kv_cache_usage_ratio", "prompt_tokens_total"]:
+        assert f"# TYPE atom:{name} " in text
+    assert server.metric("generation_tokens_total") > 0
+    assert server.metric("kv_cache_blocks_total") > 0
+
+
+def test_benchmark_client_against_the_server(server, tmp_path):
+    command = [
+        sys.executable,
+        "-m",
+        "atom.benchmarks.benchmark_serving",
+        "--model",
+        MODEL,
+        "--base-url",
+        server.base_url,
+        "--dataset-name",
+        "random",
+        "--random-input-len",
+        "16",
+        "--random-output-len",
+        "4",
+        "--num-prompts",
+        "6",
+        "--max-concurrency",
+        "3",
+        "--ignore-eos",
+        "--save-result",
+        "--result-dir",
+        str(tmp_path),
+        "--percentile-metrics",
+        "ttft,tpot,itl,e2el",
+        "--metric-percentiles",
+        "50,99",
+    ]
+    done = subprocess.run(
+        command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert "Serving benchmark" in done.stdout
+    (result_file,) = tmp_path.glob("*.json")
+    result = json.loads(result_file.read_text())
+    assert result["completed"] == 6 and result["failed"] == 0
+    assert result["total_output_tokens"] == 6 * 4
+    assert (
+        result["p99_ttft_ms"] > 0 and result["mean_e2el_ms"] >= result["mean_ttft_ms"]
+    )
+
+
+def test_sigterm_shuts_down_cleanly(server):
+    server.process.send_signal(signal.SIGTERM)
+    assert server.process.wait(timeout=30) == 0, server.log()
+    assert "Application shutdown complete" in server.log()

@@ -1,0 +1,247 @@
+"""Kimi-K3 target (tiny-kimi-k3) against the independent golden model.
+
+Covers prefill, chunked prefill and decode through the caches in any split, the DSpark
+taps, speculative verify snapshots + commit, K3.1 aliasing, grouped routing, and the
+strict loader refusing an incomplete checkpoint.
+"""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from atom.model_loader.loader import WeightLoadingError
+from atom.models.kimi_k3.model import KimiK3ForConditionalGeneration
+from atom.models.registry import get_model_class
+from atom.models.tiny import resolve_model_path
+from atom.models.utils import language_model_of
+from tests.models.kimi_helpers import (
+    bind_caches,
+    build_target,
+    forward_rows,
+    logits_of,
+    work,
+)
+from tests.reference.k3_golden import GoldenModel
+
+TOL = {"atol": 2e-4, "rtol": 1e-4}
+PROMPT = [5, 77, 301, 9, 640, 12, 999, 58, 410, 3, 150, 7, 888, 23, 64, 512]
+OTHER = [700, 2, 19, 333, 45, 1000, 6, 81, 260, 14, 90, 501, 37, 8, 222, 71]
+
+
+@pytest.fixture(scope="module")
+def k3():
+    model, config = build_target("tiny-kimi-k3")
+    return model, GoldenModel.from_pretrained(config.model)
+
+
+def chunks(ids: list[int], split: list[int]) -> list[tuple[list[int], int]]:
+    """(rows, context_len) of each chunk of `ids` cut by `split`."""
+    out, start = [], 0
+    for size in split:
+        out.append((ids[start : start + size], start))
+        start += size
+    assert start == len(ids)
+    return out
+
+
+def test_prefill_of_two_sequences_matches_golden(k3):
+    model, golden = k3
+    bind_caches(model)
+    logits = logits_of(
+        model, [work(PROMPT, slot=0), work(OTHER[:9], slot=1, first_block=16)]
+    )
+    torch.testing.assert_close(logits[:16], golden(PROMPT)[0], **TOL)
+    torch.testing.assert_close(logits[16:], golden(OTHER[:9])[0], **TOL)
+
+
+def test_chunked_prefill_decode_and_any_split_agree(k3):
+    model, golden = k3
+    bind_caches(model)
+    # In one batch per step: A prefills in uneven chunks while B decodes token by
+    # token; C is a single full prefill.
+    plan_a = chunks(PROMPT, [5, 1, 7, 3])
+    plan_b = chunks(OTHER, [1] * 16)
+    rows_a, rows_b = [], []
+    for step in range(16):
+        seqs, owners = [], []
+        if step < len(plan_a):
+            ids, ctx = plan_a[step]
+            seqs.append(work(ids, ctx, slot=0))
+            owners.append((rows_a, len(ids)))
+        ids, ctx = plan_b[step]
+        seqs.append(work(ids, ctx, slot=1, first_block=16))
+        owners.append((rows_b, 1))
+        logits, start = logits_of(model, seqs), 0
+        for rows, count in owners:
+            rows.append(logits[start : start + count])
+            start += count
+    full = logits_of(model, [work(PROMPT, slot=2, first_block=32)])
+    expected_a = golden(PROMPT)[0]
+    torch.testing.assert_close(torch.cat(rows_a), expected_a, **TOL)
+    torch.testing.assert_close(torch.cat(rows_b), golden(OTHER)[0], **TOL)
+    torch.testing.assert_close(full, expected_a, **TOL)
+
+
+def test_fresh_sequence_ignores_stale_slot_state(k3):
+    model, golden = k3
+    bind_caches(model)
+    logits_of(model, [work(OTHER, slot=0)])
+    # Same slot and blocks, context 0: nothing of OTHER may leak in.
+    logits = logits_of(model, [work(PROMPT[:6], slot=0)])
+    torch.testing.assert_close(logits, golden(PROMPT[:6])[0], **TOL)
+
+
+def test_taps_equal_golden_hidden_states(k3):
+    model, golden = k3
+    bind_caches(model)
+    text = language_model_of(model).model
+    taps = {}
+    hooks = [
+        text.embed_tokens.register_forward_hook(
+            lambda mod, args, out: taps.__setitem__(-1, out)
+        )
+    ]
+    for index, layer in enumerate(text.layers):
+        hooks.append(
+            layer.register_forward_hook(
+                lambda mod, args, out, i=index: taps.__setitem__(
+                    i, mod.aux_hidden_state(out)
+                )
+            )
+        )
+    forward_rows(model, [work(PROMPT)])
+    for hook in hooks:
+        hook.remove()
+    _, expected = golden(PROMPT)
+    assert sorted(taps) == list(range(-1, len(text.layers)))
+    for layer_id, tap in taps.items():
+        torch.testing.assert_close(tap, expected[layer_id + 1], **TOL)
+
+
+@pytest.mark.parametrize("num_rows", [1, 2, 4])
+def test_verify_snapshots_then_commit_equal_sequential(k3, num_rows):
+    model, golden = k3
+    cache = bind_caches(model, spec_rows=4)
+    prompt, verify_rows = PROMPT[:10], PROMPT[10:14]
+    logits_of(model, [work(prompt, slot=0), work(prompt, slot=1, first_block=16)])
+    before = [(m.conv_state.clone(), m.ssm_state.clone()) for m in cache.state_layers]
+
+    verified = logits_of(model, [work(verify_rows, 10, slot=0, num_spec_tokens=3)])
+    torch.testing.assert_close(verified, golden(PROMPT[:14])[0][10:], **TOL)
+    for layer, (conv, ssm) in zip(cache.state_layers, before):
+        assert torch.equal(layer.conv_state, conv) and torch.equal(layer.ssm_state, ssm)
+
+    cache.commit(0, num_rows)
+    for offset, token in enumerate(verify_rows[:num_rows]):  # the sequential twin
+        logits_of(model, [work([token], 10 + offset, slot=1, first_block=16)])
+    for layer in cache.state_layers:
+        torch.testing.assert_close(layer.ssm_state[0], layer.ssm_state[1], **TOL)
+        torch.testing.assert_close(layer.conv_state[0], layer.conv_state[1], **TOL)
+
+    # Decoding continues after the accepted rows; rejected rows' KV is overwritten.
+    kept = PROMPT[: 10 + num_rows]
+    nxt = logits_of(model, [work([900], len(kept), slot=0)])
+    torch.testing.assert_close(nxt[0], golden(kept + [900])[0][-1], **TOL)
+
+
+def test_k31_aliases_to_the_k3_classes():
+    model, config = build_target("tiny-kimi-k31")
+    assert config.hf_config.architecture == "KimiK31ForConditionalGeneration"
+    assert get_model_class("KimiK31ForConditionalGeneration") is (
+        KimiK3ForConditionalGeneration
+    )
+    assert type(model) is KimiK3ForConditionalGeneration
+    bind_caches(model)
+    expected = GoldenModel.from_pretrained(config.model)(PROMPT[:7])[0]
+    torch.testing.assert_close(logits_of(model, [work(PROMPT[:7])]), expected, **TOL)
+
+
+def test_grouped_routing_variant(tmp_path):
+    source = resolve_model_path("tiny-kimi-k3")
+    folder = tmp_path / "tiny-k3-grouped"
+    shutil.copytree(source, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["text_config"].update(
+        num_expert_group=4, topk_group=2, routed_scaling_factor=2.5
+    )
+    (folder / "config.json").write_text(json.dumps(config))
+    model, _ = build_target(str(folder))
+    bind_caches(model)
+    expected = GoldenModel.from_pretrained(folder)(PROMPT)[0]
+    torch.testing.assert_close(logits_of(model, [work(PROMPT)]), expected, **TOL)
+    # Group limiting must matter here, or this test would not see it ignored.
+    config["text_config"].update(num_expert_group=1, topk_group=1)
+    (folder / "config.json").write_text(json.dumps(config))
+    ungrouped = GoldenModel.from_pretrained(folder)(PROMPT)[0]
+    assert (ungrouped - expected).abs().max() > 1e-2
+
+
+def _single_file_copy(tmp_path, drop: str | None, rename=None) -> str:
+    """tiny-kimi-k3 as one safetensors file, without `drop`, names passed through
+    `rename`."""
+    source = resolve_model_path("tiny-kimi-k3")
+    folder = tmp_path / "copy"
+    folder.mkdir()
+    shutil.copy(f"{source}/config.json", folder / "config.json")
+    index = json.loads(open(f"{source}/model.safetensors.index.json").read())
+    tensors = {}
+    for shard in sorted(set(index["weight_map"].values())):
+        tensors.update(load_file(f"{source}/{shard}"))
+    assert drop is None or drop in tensors
+    tensors = {
+        (rename(name) if rename else name): t
+        for name, t in tensors.items()
+        if name != drop
+    }
+    save_file(tensors, str(folder / "model.safetensors"))
+    return str(folder)
+
+
+@pytest.mark.parametrize(
+    "drop, reported",
+    [
+        ("model.embed_tokens.weight", "model.embed_tokens.weight"),
+        ("lm_head.weight", "lm_head.weight"),
+        ("model.layers.0.self_attn.A_log", "model.layers.0.self_attn.A_log"),
+        ("model.layers.2.self_attn.v_conv1d.weight", "layers.2.self_attn.v_conv1d"),
+        ("model.layers.3.self_attn.g_proj.weight", "model.layers.3.self_attn.g_proj"),
+        ("model.layers.0.mlp.up_proj.weight", "layers.0.mlp.gate_up_proj.weight (shards ['1'])"),
+        (
+            "model.layers.5.block_sparse_moe.experts.6.w3.weight",
+            "layers.5.block_sparse_moe.experts.w13 (shards [\"(6, 'w3')\"])",
+        ),
+        (
+            "model.layers.7.block_sparse_moe.gate.e_score_correction_bias",
+            "model.layers.7.block_sparse_moe.gate.e_score_correction_bias",
+        ),
+        ("model.layers.4.mlp_res_proj.weight", "model.layers.4.mlp_res_proj.weight"),
+        ("model.output_attn_res_norm.weight", "model.output_attn_res_norm.weight"),
+    ],
+)
+def test_missing_tensor_refuses_to_load(tmp_path, drop, reported):
+    folder = _single_file_copy(tmp_path, "language_model." + drop)
+    with pytest.raises(WeightLoadingError, match="parameter never loaded") as err:
+        build_target(folder)
+    assert reported in str(err.value)
+
+
+def test_alternate_spellings_and_skipped_tensors_load(tmp_path):
+    """vLLM's `language_model.layers.`, plus MTP and rotary tensors atom skips."""
+
+    def vllm_spelling(name: str) -> str:
+        return name.replace("language_model.model.layers.", "language_model.layers.")
+
+    folder = _single_file_copy(tmp_path, None, rename=vllm_spelling)
+    extra = load_file(f"{folder}/model.safetensors")
+    extra["language_model.model.layers.8.self_attn.q_proj.weight"] = torch.ones(2, 2)
+    extra["language_model.model.rotary_emb.inv_freq"] = torch.ones(4)
+    save_file(extra, f"{folder}/model.safetensors")
+    model, config = build_target(folder)
+    bind_caches(model)
+    expected = GoldenModel.from_pretrained(resolve_model_path("tiny-kimi-k3"))
+    torch.testing.assert_close(
+        logits_of(model, [work(PROMPT[:5])]), expected(PROMPT[:5])[0], **TOL
+    )
