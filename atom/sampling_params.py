@@ -45,9 +45,13 @@ class SamplingParams:
                 f"SamplingParams.top_k must be -1 (off) or >= 1, got {self.top_k}"
             )
         if not _is_number(self.top_p):
-            raise TypeError(f"SamplingParams.top_p must be a number, got {self.top_p!r}")
+            raise TypeError(
+                f"SamplingParams.top_p must be a number, got {self.top_p!r}"
+            )
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+            raise ValueError(
+                f"SamplingParams.top_p must be in (0, 1], got {self.top_p}"
+            )
         self.top_p = float(self.top_p)
         if not _is_int(self.max_tokens):
             raise TypeError(

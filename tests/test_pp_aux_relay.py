@@ -43,6 +43,10 @@ def reference_taps(ids: torch.Tensor = IDS) -> dict[int, torch.Tensor]:
     return taps
 
 
+def reference_hidden_before(layer: int) -> torch.Tensor:
+    return reference_taps()[layer - 1]
+
+
 def drafter_capture(last: ToyBaseModel) -> tuple[list[torch.Tensor], TapCapture]:
     """The last stage's drafter side: buffers for every tap, hooks on resident ones."""
     buffers = allocate_tap_buffers(len(TAPS), MAX_TOKENS, HIDDEN)
@@ -105,10 +109,6 @@ def test_middle_stage_relays_incoming_then_own():
     packed = relay.pack(received, IDS.numel())
     assert torch.equal(packed[:, : 2 * HIDDEN], received)
     assert torch.equal(packed[:, 2 * HIDDEN :], ref[4])
-
-
-def reference_hidden_before(layer: int) -> torch.Tensor:
-    return reference_taps()[layer - 1]
 
 
 def test_tapless_middle_passes_the_block_through():

@@ -5,6 +5,7 @@ import time
 from collections.abc import Sequence
 
 from atom.entrypoints.openai.api_server import add_server_args, run_server
+from atom.entrypoints.openai_server import raise_open_file_limit
 from atom.model_engine.arg_utils import EngineArgs
 from atom.utils.arg_parser import FlexibleArgumentParser
 
@@ -54,6 +55,11 @@ def run_generate(args: argparse.Namespace) -> None:
         engine.close()
 
 
+def run_serve(args: argparse.Namespace) -> None:
+    raise_open_file_limit()
+    run_server(args)
+
+
 def add_generate_args(parser: FlexibleArgumentParser) -> FlexibleArgumentParser:
     parser.add_argument(
         "--prompt", action="append", help="a prompt; repeat for several"
@@ -71,7 +77,7 @@ def make_parser() -> FlexibleArgumentParser:
     parser = FlexibleArgumentParser(prog="atom", description="atom LLM engine")
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="run the OpenAI-compatible HTTP server")
-    add_server_args(serve).set_defaults(handler=run_server)
+    add_server_args(serve).set_defaults(handler=run_serve)
     generate = commands.add_parser(
         "generate", help="run prompts offline and print the completions"
     )

@@ -2,8 +2,9 @@
 
 import logging
 import resource
+from collections.abc import Sequence
 
-from atom.entrypoints.openai.api_server import main
+from atom.entrypoints.openai import api_server
 
 
 def raise_open_file_limit() -> None:
@@ -17,6 +18,10 @@ def raise_open_file_limit() -> None:
         logging.getLogger(__name__).warning("could not raise the file limit: %s", error)
 
 
-if __name__ == "__main__":
+def main(argv: Sequence[str] | None = None) -> None:
     raise_open_file_limit()
+    api_server.main(argv)
+
+
+if __name__ == "__main__":
     main()

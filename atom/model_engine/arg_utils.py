@@ -45,6 +45,10 @@ UNSUPPORTED_ENGINE_FLAGS: dict[tuple[str, ...], str] = {
 }
 
 
+# Accepted so recipes run unchanged, but meaningless to the engine.
+CLI_ONLY_FIELDS = frozenset({"trust_remote_code"})
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -208,7 +212,7 @@ class EngineArgs:
         return {
             name: value
             for name, value in dataclasses.asdict(self).items()
-            if value is not None
+            if value is not None and name not in CLI_ONLY_FIELDS
         }
 
     def create_engine(self):

@@ -15,6 +15,8 @@ class SeqWork:
     # Tokens already in the caches before these rows (= position of the first row).
     context_len: int
     block_table: list[int]
+    # Recurrent state of the request; a first chunk (context_len 0) without a fork
+    # starts from a zero state, as the slot may hold a finished request's state.
     state_slot: int
     # The last stage samples (or verifies) this sequence in this forward.
     sample: bool
@@ -91,3 +93,40 @@ class BatchOutput:
                 f"BatchOutput {self.batch_id}: {len(self.seq_ids)} seq_ids but "
                 f"lengths {wrong}"
             )
+
+    def check_against(self, batch: ScheduledBatch, max_drafts: int) -> None:
+        """Raise RuntimeError unless this is a consistent answer to `batch`."""
+        if self.batch_id != batch.batch_id:
+            raise RuntimeError(
+                f"BatchOutput of batch {self.batch_id} arrived while postprocessing "
+                f"batch {batch.batch_id}: the pipeline is out of step"
+            )
+        works = [work for work in batch.seqs if work.sample]
+        if self.seq_ids != [work.seq_id for work in works]:
+            raise RuntimeError(
+                f"BatchOutput of batch {batch.batch_id} covers sequences "
+                f"{self.seq_ids}, expected {batch.sample_seq_ids}"
+            )
+        for work, tokens, accepted, drafts in zip(
+            works, self.token_ids, self.num_accepted, self.draft_token_ids
+        ):
+            where = f"BatchOutput of batch {batch.batch_id}, sequence {work.seq_id}"
+            verified = work.token_ids[1 : 1 + work.num_spec_tokens]
+            if not 0 <= accepted <= len(verified):
+                raise RuntimeError(
+                    f"{where}: {accepted} accepted drafts of {len(verified)} verified"
+                )
+            if len(tokens) != accepted + 1:
+                raise RuntimeError(
+                    f"{where}: {len(tokens)} emitted tokens for {accepted} accepted "
+                    f"drafts"
+                )
+            if tokens[:accepted] != verified[:accepted]:
+                raise RuntimeError(
+                    f"{where}: accepted tokens {tokens[:accepted]} differ from the "
+                    f"drafts {verified[:accepted]}"
+                )
+            if len(drafts) > max_drafts:
+                raise RuntimeError(
+                    f"{where}: {len(drafts)} drafts, at most {max_drafts} expected"
+                )

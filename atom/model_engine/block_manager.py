@@ -86,10 +86,6 @@ class BlockManager:
     def usage(self) -> float:
         return self.num_used_blocks / len(self.blocks)
 
-    @property
-    def prefix_hit_rate(self) -> float:
-        return self.num_hit_tokens / self.num_queried_tokens if self.num_queried_tokens else 0.0
-
     def num_blocks_for(self, num_tokens: int) -> int:
         return _cdiv(num_tokens, self.block_size)
 

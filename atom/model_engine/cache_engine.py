@@ -69,6 +69,8 @@ class CacheEngine:
             layer.ssm_state = torch.zeros(
                 num_state_slots, *ssm, dtype=torch.float32, device=device
             )
+            # Rebinding replaces everything, so no buffer of an older engine lingers.
+            layer.conv_snapshots = layer.ssm_snapshots = None
             if num_spec_rows:
                 layer.conv_snapshots = torch.zeros(
                     num_state_slots, num_spec_rows, *conv, dtype=dtype, device=device

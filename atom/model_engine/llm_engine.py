@@ -25,8 +25,6 @@ from atom.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-STATS_LOG_INTERVAL_S = 10.0
-
 
 class LLMEngine:
     def __init__(self, model: str = "tiny-kimi-k3", **kwargs) -> None:
@@ -60,8 +58,6 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer)
         self.in_flight: deque[ScheduledBatch] = deque()
         self.max_in_flight = config.pipeline_parallel_size
-        self._last_log = time.monotonic()
-        self._logged_tokens = 0
         logger.info(
             "engine ready: %s, tp=%d pp=%d, %d KV blocks of %d tokens, speculation %s",
             model,
@@ -129,7 +125,6 @@ class LLMEngine:
             if hit_stop:
                 self.scheduler.abort(request_id, "stop")
             results.append(output)
-        self._maybe_log_stats()
         return results
 
     def generate(
@@ -171,20 +166,7 @@ class LLMEngine:
 
     # ---- statistics ----
     def get_stats(self) -> dict:
-        s = self.scheduler.stats()
-        return {
-            "requests_running": s.num_running,
-            "requests_waiting": s.num_waiting,
-            "kv_cache_blocks_used": s.kv_blocks_used,
-            "kv_cache_blocks_free": s.kv_blocks_free,
-            "kv_cache_blocks_total": s.kv_blocks_total,
-            "kv_cache_usage_ratio": s.kv_usage,
-            "prompt_tokens": s.prompt_tokens,
-            "generation_tokens": s.generation_tokens,
-            "preemptions": s.num_preemptions,
-            "prefix_cache_queries": s.prefix_queried_tokens,
-            "prefix_cache_hits": s.prefix_hit_tokens,
-        }
+        return self.scheduler.stats()
 
     def get_mtp_statistics(self) -> dict | None:
         stats = self.scheduler.spec_stats
@@ -193,23 +175,6 @@ class LLMEngine:
     def format_mtp_stats_line(self) -> str | None:
         stats = self.scheduler.spec_stats
         return stats.format_line() if stats is not None else None
-
-    def _maybe_log_stats(self) -> None:
-        now = time.monotonic()
-        if now - self._last_log < STATS_LOG_INTERVAL_S:
-            return
-        s = self.scheduler.stats()
-        rate = (s.generation_tokens - self._logged_tokens) / (now - self._last_log)
-        logger.info(
-            "throughput %.1f tok/s, running %d, waiting %d, KV usage %.1f%%",
-            rate,
-            s.num_running,
-            s.num_waiting,
-            100 * s.kv_usage,
-        )
-        if (line := self.format_mtp_stats_line()) is not None:
-            logger.info(line)
-        self._last_log, self._logged_tokens = now, s.generation_tokens
 
     def apply_chat_template(self, messages: list[dict]) -> str:
         if getattr(self.tokenizer, "chat_template", None):

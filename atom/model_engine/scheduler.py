@@ -16,28 +16,12 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 from atom.model_engine.batch import BatchOutput, ScheduledBatch, SeqWork
 from atom.model_engine.block_manager import BlockManager
 from atom.model_engine.sequence import Sequence, SequenceStatus
 from atom.model_engine.state_cache import StateCheckpointPool, StateSlotAllocator
 from atom.spec_decode.metrics import SpecDecodeStats
-
-
-@dataclass
-class SchedulerStats:
-    num_running: int
-    num_waiting: int
-    kv_blocks_used: int
-    kv_blocks_free: int
-    kv_blocks_total: int
-    kv_usage: float
-    num_preemptions: int
-    prefix_queried_tokens: int
-    prefix_hit_tokens: int
-    prompt_tokens: int
-    generation_tokens: int
 
 
 class Scheduler:
@@ -56,13 +40,12 @@ class Scheduler:
         eos_token_id: int | Iterable[int] | None = None,
         num_state_checkpoints: int = 0,
     ) -> None:
-        for name, value in [
-            ("max_num_seqs", max_num_seqs),
-            ("max_num_batched_tokens", max_num_batched_tokens),
-            ("max_model_len", max_model_len),
-            ("block_size", block_size),
-            ("num_kv_blocks", num_kv_blocks),
-        ]:
+        sizes = dict(
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len, block_size=block_size,
+            num_kv_blocks=num_kv_blocks,
+        )  # fmt: skip
+        for name, value in sizes.items():
             if value < 1:
                 raise ValueError(f"Scheduler: {name} must be >= 1, got {value}")
         if num_speculative_tokens < 0 or num_state_checkpoints < 0:
@@ -96,12 +79,8 @@ class Scheduler:
         self.enable_chunked_prefill = enable_chunked_prefill
         self.has_recurrent_state = has_recurrent_state
         self.num_speculative_tokens = num_speculative_tokens
-        if eos_token_id is None:
-            self.eos_token_ids: frozenset[int] = frozenset()
-        elif isinstance(eos_token_id, int):
-            self.eos_token_ids = frozenset([eos_token_id])
-        else:
-            self.eos_token_ids = frozenset(eos_token_id)
+        eos = [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id
+        self.eos_token_ids = frozenset(eos or ())
 
         checkpointing = has_recurrent_state and enable_prefix_caching
         self.checkpoints = StateCheckpointPool(
@@ -160,21 +139,22 @@ class Scheduler:
     def is_finished(self) -> bool:
         return not self.waiting and not self.running
 
-    def stats(self) -> SchedulerStats:
+    def stats(self) -> dict[str, int | float]:
+        """Gauges and counters for /metrics (names without the `atom:` prefix)."""
         bm = self.block_manager
-        return SchedulerStats(
-            num_running=len(self.running),
-            num_waiting=len(self.waiting),
-            kv_blocks_used=bm.num_used_blocks,
-            kv_blocks_free=bm.num_free_blocks,
-            kv_blocks_total=bm.num_total_blocks,
-            kv_usage=bm.usage,
-            num_preemptions=self.num_preemptions,
-            prefix_queried_tokens=bm.num_queried_tokens,
-            prefix_hit_tokens=bm.num_hit_tokens,
-            prompt_tokens=self.num_prompt_tokens,
-            generation_tokens=self.num_generation_tokens,
-        )
+        return {
+            "requests_running": len(self.running),
+            "requests_waiting": len(self.waiting),
+            "kv_cache_blocks_used": bm.num_used_blocks,
+            "kv_cache_blocks_free": bm.num_free_blocks,
+            "kv_cache_blocks_total": bm.num_total_blocks,
+            "kv_cache_usage_ratio": bm.usage,
+            "preemptions": self.num_preemptions,
+            "prefix_cache_queried_tokens": bm.num_queried_tokens,
+            "prefix_cache_hit_tokens": bm.num_hit_tokens,
+            "prompt_tokens": self.num_prompt_tokens,
+            "generation_tokens": self.num_generation_tokens,
+        }
 
     # ---- scheduling ----
     def schedule(self) -> ScheduledBatch | None:
@@ -293,9 +273,9 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         works: list[SeqWork] = []
         scheduled: set[int] = set()
-        for seq in list(self.running):
-            if seq.status is not SequenceStatus.RUNNING or seq.num_uncomputed_tokens != 1:
-                continue
+        for seq in [s for s in self.running if s.num_uncomputed_tokens == 1]:
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted to make room for an earlier one
             num_spec = self._num_verify_tokens(seq)
             if 1 + num_spec > budget:
                 break
@@ -318,23 +298,18 @@ class Scheduler:
         limit = min(self.num_speculative_tokens, len(seq.spec_token_ids))
         return max(0, min(limit, remaining - 1, room - 1))
 
-    def _make_room(self, seq: Sequence, num_spec: int, scheduled: set[int]) -> bool:
+    def _make_room(self, seq: Sequence, num_spec: int, taken: set[int]) -> bool:
         """Blocks for the verify rows and the drafter's block rows, preempting the
         latest admitted sequences if needed; False if seq itself was preempted."""
         num_new = num_spec + self.num_speculative_tokens
         while not self.block_manager.can_append(seq, num_new):
-            victim = next(
-                (
-                    s
-                    for s in reversed(self.running)
-                    if s is not seq and s.seq_id not in scheduled
-                ),
-                None,
-            )
-            if victim is None:
+            victims = [
+                s for s in self.running if s is not seq and s.seq_id not in taken
+            ]
+            if not victims:
                 self._preempt(seq)
                 return False
-            self._preempt(victim)
+            self._preempt(victims[-1])
         self.block_manager.may_append(seq, num_new)
         return True
 
@@ -369,20 +344,10 @@ class Scheduler:
     ) -> SeqWork:
         sp = seq.sampling_params
         return SeqWork(
-            seq_id=seq.seq_id,
-            token_ids=token_ids,
-            context_len=context_len,
-            block_table=list(seq.block_table),
-            state_slot=seq.state_slot,
-            sample=sample,
-            num_spec_tokens=num_spec_tokens,
-            temperature=sp.temperature,
-            top_k=sp.top_k,
-            top_p=sp.top_p,
-            seed=sp.seed,
-            state_fork_src=state_fork_src,
-            state_save_dst=state_save_dst,
-        )
+            seq.seq_id, token_ids, context_len, list(seq.block_table), seq.state_slot,
+            sample, num_spec_tokens, sp.temperature, sp.top_k, sp.top_p, sp.seed,
+            state_fork_src, state_save_dst,
+        )  # fmt: skip
 
     # ---- results ----
     def postprocess(
@@ -390,29 +355,18 @@ class Scheduler:
     ) -> list[Sequence]:
         """Apply one batch's output; returns the sequences that finished."""
         works = [work for work in batch.seqs if work.sample]
-        expected = [work.seq_id for work in works]
         if output is None:
-            if expected:
+            if works:
                 raise RuntimeError(
-                    f"batch {batch.batch_id} samples sequences {expected} but was "
-                    f"postprocessed without a BatchOutput"
+                    f"batch {batch.batch_id} samples sequences "
+                    f"{batch.sample_seq_ids} but was postprocessed without a BatchOutput"
                 )
             return []
-        if output.batch_id != batch.batch_id:
-            raise RuntimeError(
-                f"BatchOutput of batch {output.batch_id} arrived while postprocessing "
-                f"batch {batch.batch_id}: the pipeline is out of step"
-            )
-        if output.seq_ids != expected:
-            raise RuntimeError(
-                f"BatchOutput of batch {batch.batch_id} covers sequences "
-                f"{output.seq_ids}, expected {expected}"
-            )
+        output.check_against(batch, self.num_speculative_tokens)
         finished = []
         for work, tokens, accepted, drafts in zip(
             works, output.token_ids, output.num_accepted, output.draft_token_ids
         ):
-            self._check_result(batch.batch_id, work, tokens, accepted, drafts)
             seq = self._live.get(work.seq_id)
             if seq is None or seq.in_flight_batch_id != batch.batch_id:
                 continue  # aborted or preempted while the batch ran
@@ -421,7 +375,9 @@ class Scheduler:
                 # Counted before stop truncation: it measures the drafter.
                 self.spec_stats.record(work.num_spec_tokens, accepted)
             seq.num_computed_tokens += accepted
-            reason = self._append_tokens(seq, tokens)
+            num_before = seq.num_tokens
+            reason = seq.append_tokens(tokens, self.eos_token_ids, self.max_model_len)
+            self.num_generation_tokens += seq.num_tokens - num_before
             if reason is not None:
                 self._finish(seq, reason)
                 finished.append(seq)
@@ -430,50 +386,6 @@ class Scheduler:
             if work.num_spec_tokens:
                 self._pending_commits[seq.seq_id] = (seq.state_slot, accepted + 1)
         return finished
-
-    def _check_result(
-        self,
-        batch_id: int,
-        work: SeqWork,
-        tokens: list[int],
-        accepted: int,
-        drafts: list[int],
-    ) -> None:
-        where = f"BatchOutput of batch {batch_id}, sequence {work.seq_id}"
-        if not 0 <= accepted <= work.num_spec_tokens:
-            raise RuntimeError(
-                f"{where}: {accepted} accepted drafts but {work.num_spec_tokens} "
-                f"were verified"
-            )
-        if len(tokens) != accepted + 1:
-            raise RuntimeError(
-                f"{where}: {len(tokens)} emitted tokens for {accepted} accepted drafts"
-            )
-        if tokens[:accepted] != work.token_ids[1 : 1 + accepted]:
-            raise RuntimeError(
-                f"{where}: accepted tokens {tokens[:accepted]} differ from the drafts "
-                f"{work.token_ids[1 : 1 + accepted]}"
-            )
-        if len(drafts) > self.num_speculative_tokens:
-            raise RuntimeError(
-                f"{where}: {len(drafts)} drafts, at most "
-                f"{self.num_speculative_tokens} expected"
-            )
-
-    def _append_tokens(self, seq: Sequence, tokens: list[int]) -> str | None:
-        """Append token by token; stop at the first stop condition, dropping the
-        rest. Stop strings are the detokenizer's job (it calls `abort`)."""
-        sp = seq.sampling_params
-        for token in tokens:
-            seq.append_token(token)
-            self.num_generation_tokens += 1
-            if not sp.ignore_eos and token in self.eos_token_ids:
-                return "stop"
-            if seq.num_output_tokens >= sp.max_tokens:
-                return "length"
-            if seq.num_tokens >= self.max_model_len:
-                return "length"
-        return None
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         if seq.status is SequenceStatus.RUNNING:

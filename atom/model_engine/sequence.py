@@ -105,3 +105,20 @@ class Sequence:
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
+
+    def append_tokens(
+        self, tokens: list[int], eos_token_ids: frozenset[int], max_model_len: int
+    ) -> str | None:
+        """Append token by token up to the first token-level stop (EOS unless
+        ignore_eos, max_tokens, max_model_len), dropping the rest; returns the
+        finish reason or None. Stop strings are the detokenizer's job."""
+        sp = self.sampling_params
+        for token in tokens:
+            self.token_ids.append(token)
+            if not sp.ignore_eos and token in eos_token_ids:
+                return "stop"
+            if self.num_output_tokens >= sp.max_tokens:
+                return "length"
+            if len(self.token_ids) >= max_model_len:
+                return "length"
+        return None

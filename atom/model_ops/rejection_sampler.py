@@ -52,7 +52,9 @@ def rejection_sample(
             f"expected {num_drafts + 1}"
         )
     if num_drafts and not bool(((drafts >= 0) & (drafts < vocab)).all()):
-        raise ValueError(f"draft token ids must be in [0, {vocab}), got {drafts.tolist()}")
+        raise ValueError(
+            f"draft token ids must be in [0, {vocab}), got {drafts.tolist()}"
+        )
 
     if greedy:
         best = target_probs.argmax(dim=-1)

@@ -57,7 +57,10 @@ def _filter_top_k_top_p(
 
 
 def probs_for(
-    logits: torch.Tensor, temperature: Scalars, top_k: Scalars = -1, top_p: Scalars = 1.0
+    logits: torch.Tensor,
+    temperature: Scalars,
+    top_k: Scalars = -1,
+    top_p: Scalars = 1.0,
 ) -> torch.Tensor:
     """[B, V] fp32 distribution each row is sampled from.
 
@@ -77,7 +80,9 @@ def probs_for(
     scaled = logits / torch.where(greedy, 1.0, temps).unsqueeze(1)
     probs = _filter_top_k_top_p(scaled, ks, ps).softmax(dim=-1)
     if bool(greedy.any()):
-        one_hot = torch.zeros_like(probs).scatter_(1, logits.argmax(-1, keepdim=True), 1)
+        one_hot = torch.zeros_like(probs).scatter_(
+            1, logits.argmax(-1, keepdim=True), 1
+        )
         probs = torch.where(greedy.unsqueeze(1), one_hot, probs)
     return probs
 

@@ -94,7 +94,9 @@ class DSparkDraftConfig:
 
     def _validate(self, fields: Mapping[str, Any]) -> None:
         if fields.get("mla_use_nope"):
-            raise ValueError("K3DSparkModel drafts use RoPE; mla_use_nope must be false")
+            raise ValueError(
+                "K3DSparkModel drafts use RoPE; mla_use_nope must be false"
+            )
         if fields.get("mla_use_output_gate"):
             raise ValueError(
                 "K3DSparkModel drafts have no MLA output gate; "
@@ -139,7 +141,11 @@ class DSparkDraftConfig:
         """Refuse a draft whose geometry does not match the target text config."""
         checks = (
             ("target_hidden_size", self.target_hidden_size, "hidden_size"),
-            ("target_num_hidden_layers", self.target_num_hidden_layers, "num_hidden_layers"),
+            (
+                "target_num_hidden_layers",
+                self.target_num_hidden_layers,
+                "num_hidden_layers",
+            ),
             ("vocab_size", self.vocab_size, "vocab_size"),
             # The draft embeds with the target table and scores with its LM head.
             ("hidden_size", self.hidden_size, "hidden_size"),

@@ -72,7 +72,9 @@ class Drafter:
     def __init__(self, config: Config) -> None:
         spec = config.speculative_config
         if spec is None or spec.draft_hf_config is None or not spec.model:
-            raise ValueError("the drafter needs a speculative_config with a draft model")
+            raise ValueError(
+                "the drafter needs a speculative_config with a draft model"
+            )
         if not spec.use_dspark():
             raise ValueError(
                 f"speculative method {spec.method!r} has no drafter here; only "
@@ -126,8 +128,12 @@ class Drafter:
             weight.dtype,
         )
         # Non-resident taps (always -1 on a pp > 1 last stage) come via the relay.
-        self.resident_taps = [t for t in self.tap_ids if tap_is_resident(target_base, t)]
-        buffers = {t: self.tap_buffers[self.tap_ids.index(t)] for t in self.resident_taps}
+        self.resident_taps = [
+            t for t in self.tap_ids if tap_is_resident(target_base, t)
+        ]
+        buffers = {
+            t: self.tap_buffers[self.tap_ids.index(t)] for t in self.resident_taps
+        }
         self.capture = TapCapture(target_base, buffers)
 
     def _log_startup(self) -> None:
@@ -190,7 +196,9 @@ class Drafter:
         drafts are for the next T positions.
         """
         if not self.will_propose:
-            raise RuntimeError("a context-only producer writes context KV, never drafts")
+            raise RuntimeError(
+                "a context-only producer writes context KV, never drafts"
+            )
         anchors = [int(a) for a in anchor_ids]
         positions = [int(p) for p in anchor_positions]
         num_seqs, width = len(anchors), self.num_speculative_tokens

@@ -123,6 +123,15 @@ def test_engine_kwargs_leave_unset_optionals_to_the_engine():
     assert kwargs["max_num_seqs"] == 64
     for unset in ["tokenizer", "max_model_len", "num_kvcache_blocks", "method"]:
         assert unset not in kwargs
+    assert "trust_remote_code" not in kwargs  # accepted by the CLI only
+
+
+def test_engine_kwargs_are_all_config_fields():
+    from atom.config import Config
+
+    config_fields = {field.name for field in dataclasses.fields(Config)}
+    kwargs = parse_engine_args("--method", "dspark", "--seed", "1").engine_kwargs()
+    assert set(kwargs) <= config_fields
 
 
 @pytest.mark.parametrize(

@@ -172,14 +172,14 @@ def test_chat_completion_and_its_stream(server):
 
 
 def test_token_id_and_batched_prompts(server):
-    body = {"prompt": [[5, 6, 7], "Hi"], "max_tokens": 3, "ignore_eos": True}
-    choices = server.post("/v1/completions", body | {"temperature": 0}).json()
-    assert [c["index"] for c in choices["choices"]] == [0, 1]
-    assert choices["usage"]["completion_tokens"] == 6
-    single = server.post(
-        "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0}
-    )
-    assert single.json()["choices"][0]["text"] == choices["choices"][0]["text"]
+    params = {"max_tokens": 3, "ignore_eos": True, "temperature": 0}
+    batch = server.post("/v1/completions", {"prompt": [[5, 6, 7], [8, 9]]} | params)
+    assert [c["index"] for c in batch.json()["choices"]] == [0, 1]
+    assert batch.json()["usage"]["completion_tokens"] == 6
+    single = server.post("/v1/completions", {"prompt": [5, 6, 7]} | params)
+    assert single.json()["choices"][0]["text"] == batch.json()["choices"][0]["text"]
+    texts = server.post("/v1/completions", {"prompt": ["Hi", "Yo"]} | params)
+    assert len(texts.json()["choices"]) == 2
 
 
 def test_bad_requests_fail_alone_while_others_are_served(server):

@@ -28,7 +28,8 @@ def build_target(model: str, **config_kwargs) -> tuple[nn.Module, Config]:
 def bind_caches(
     model: nn.Module, num_blocks: int = 64, slots: int = 4, spec_rows: int = 0
 ) -> CacheEngine:
-    return CacheEngine([model], num_blocks, BLOCK_SIZE, slots, spec_rows, "cpu", torch.float32)
+    dtype = next(model.parameters()).dtype
+    return CacheEngine([model], num_blocks, BLOCK_SIZE, slots, spec_rows, "cpu", dtype)
 
 
 def work(

@@ -208,7 +208,10 @@ def _single_file_copy(tmp_path, drop: str | None, rename=None) -> str:
         ("model.layers.0.self_attn.A_log", "model.layers.0.self_attn.A_log"),
         ("model.layers.2.self_attn.v_conv1d.weight", "layers.2.self_attn.v_conv1d"),
         ("model.layers.3.self_attn.g_proj.weight", "model.layers.3.self_attn.g_proj"),
-        ("model.layers.0.mlp.up_proj.weight", "layers.0.mlp.gate_up_proj.weight (shards ['1'])"),
+        (
+            "model.layers.0.mlp.up_proj.weight",
+            "layers.0.mlp.gate_up_proj.weight (shards ['1'])",
+        ),
         (
             "model.layers.5.block_sparse_moe.experts.6.w3.weight",
             "layers.5.block_sparse_moe.experts.w13 (shards [\"(6, 'w3')\"])",
@@ -244,4 +247,35 @@ def test_alternate_spellings_and_skipped_tensors_load(tmp_path):
     expected = GoldenModel.from_pretrained(resolve_model_path("tiny-kimi-k3"))
     torch.testing.assert_close(
         logits_of(model, [work(PROMPT[:5])]), expected(PROMPT[:5])[0], **TOL
+    )
+
+
+def test_bfloat16_build_keeps_the_fp32_parameters(k3):
+    _, golden = k3
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        model, _ = build_target("tiny-kimi-k3")
+    finally:
+        torch.set_default_dtype(saved)
+    fp32 = {n for n, p in model.named_parameters() if p.dtype == torch.float32}
+    kda = "language_model.model.layers.0.self_attn."
+    assert {kda + n for n in ("A_log", "dt_bias", "o_norm.weight")} <= fp32
+    assert kda + "q_conv1d.weight" in fp32
+    assert all(
+        name.rsplit(".", 2)[-2].endswith(("conv1d", "o_norm", "self_attn"))
+        for name in fp32
+    )
+    cache = bind_caches(model)
+    taps = {}
+    layer0 = language_model_of(model).model.layers[0]
+    layer0.register_forward_hook(
+        lambda m, a, out: taps.update({0: m.aux_hidden_state(out)})
+    )
+    logits = logits_of(model, [work(PROMPT)])
+    assert logits.dtype == torch.bfloat16 and torch.isfinite(logits).all()
+    assert cache.kv_layers[0].kv_cache.dtype == torch.bfloat16
+    # Deeper layers diverge through bf16 routing flips; layer 0 is dense.
+    torch.testing.assert_close(
+        taps[0].float(), golden(PROMPT)[1][1], atol=0.05, rtol=0.02
     )

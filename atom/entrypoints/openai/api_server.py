@@ -27,6 +27,10 @@ from atom.utils.arg_parser import FlexibleArgumentParser
 
 logger = logging.getLogger(__name__)
 
+# On SIGTERM, requests still streaming after this long are cut (and aborted) so
+# that a stuck client cannot keep the server from exiting.
+GRACEFUL_SHUTDOWN_S = 10
+
 
 def build_app(
     async_engine: AsyncEngine,
@@ -204,6 +208,7 @@ def run_server(args: argparse.Namespace) -> None:
             timeout_keep_alive=args.timeout_keep_alive,
             access_log=not args.disable_uvicorn_access_log,
             log_level="info",
+            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         )
     finally:
         async_engine.shutdown()

@@ -24,11 +24,11 @@ ENGINE_METRICS = [
     ("prompt_tokens_total", "counter", "prompt_tokens", "Prefilled tokens."),
     ("generation_tokens_total", "counter", "generation_tokens", "Output tokens."),
     ("preemptions_total", "counter", "preemptions", "Preempted sequences."),
-    ("prefix_cache_hits_total", "counter", "prefix_cache_hits", "Cached tokens."),
+    ("prefix_cache_hits_total", "counter", "prefix_cache_hit_tokens", "Cached tokens."),
     (
         "prefix_cache_queries_total",
         "counter",
-        "prefix_cache_queries",
+        "prefix_cache_queried_tokens",
         "Tokens looked up in the prefix cache.",
     ),
 ]
@@ -119,6 +119,9 @@ class StatsLogger:
         try:
             stats, mtp_line = await self.engine.call(_read_engine_stats)
         except EngineDeadError:
+            return False
+        except Exception:
+            logger.exception("reading engine stats failed; stats logging stops")
             return False
         now = time.monotonic()
         elapsed = max(now - self._last_time, 1e-9)

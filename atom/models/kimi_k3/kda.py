@@ -116,7 +116,9 @@ class KimiDeltaAttention(nn.Module):
     def _load_a_log(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         # Checkpoints store [n] or legacy [1, 1, n, 1], with n >= heads (K3: 128 for
         # 96); the first `heads` entries are the real ones.
-        legacy = loaded.dim() == 4 and loaded.shape[:2] == (1, 1) and loaded.shape[3] == 1
+        legacy = (
+            loaded.dim() == 4 and loaded.shape[:2] == (1, 1) and loaded.shape[3] == 1
+        )
         if loaded.dim() != 1 and not legacy:
             raise ValueError(
                 f"A_log must be [n] or [1, 1, n, 1], got {tuple(loaded.shape)}"
@@ -172,8 +174,10 @@ class KimiDeltaAttention(nn.Module):
                 )
             )
         o = torch.cat(outputs, dim=0)
-        gate = self.g_proj(x) if hasattr(self, "g_proj") else self.g_b_proj(
-            self.g_a_proj(x)
+        gate = (
+            self.g_proj(x)
+            if hasattr(self, "g_proj")
+            else self.g_b_proj(self.g_a_proj(x))
         )
         y = kda_output_norm_gate(o, self.o_norm.weight, gate, self.eps)
         return self.o_proj(y.to(x.dtype))

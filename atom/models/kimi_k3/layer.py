@@ -26,7 +26,9 @@ LayerOutput = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 
 
 class KimiDecoderLayer(nn.Module):
-    def __init__(self, config: KimiTextConfig, layer_idx: int, prefix: str = "") -> None:
+    def __init__(
+        self, config: KimiTextConfig, layer_idx: int, prefix: str = ""
+    ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         hidden, eps = config.hidden_size, config.rms_norm_eps

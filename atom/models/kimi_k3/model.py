@@ -45,7 +45,9 @@ class KimiLinearModel(nn.Module):
         self.hidden_size = text.hidden_size
         self.attn_res = text.uses_attn_res
         if pp_holds_embedding(config):
-            self.embed_tokens = VocabParallelEmbedding(text.vocab_size, text.hidden_size)
+            self.embed_tokens = VocabParallelEmbedding(
+                text.vocab_size, text.hidden_size
+            )
         else:
             self.embed_tokens = PPMissingLayer()
 

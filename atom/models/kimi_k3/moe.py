@@ -29,9 +29,7 @@ EXPERT_PROJECTIONS = ("w1", "w3", "w2")  # gate, up, down
 
 
 def make_act(config: KimiTextConfig) -> nn.Module:
-    return get_act_and_mul(
-        config.hidden_act, config.situ_beta, config.situ_linear_beta
-    )
+    return get_act_and_mul(config.hidden_act, config.situ_beta, config.situ_linear_beta)
 
 
 class GatedMLP(nn.Module):
@@ -96,7 +94,9 @@ class FusedExperts(nn.Module):
         self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor
     ) -> torch.Tensor:
         """This rank's partial sum_k w_k * expert_k(x), [N, D] in fp32."""
-        out = torch.zeros(x.shape[0], self.w2.shape[1], dtype=torch.float32, device=x.device)
+        out = torch.zeros(
+            x.shape[0], self.w2.shape[1], dtype=torch.float32, device=x.device
+        )
         for expert in expert_ids.unique().tolist():
             tokens, picks = torch.nonzero(expert_ids == expert, as_tuple=True)
             inner = self.act(F.linear(x[tokens], self.w13[expert]))
@@ -110,7 +110,9 @@ class RouterGate(nn.Module):
 
     def __init__(self, hidden: int, num_experts: int) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(num_experts, hidden), requires_grad=False)
+        self.weight = nn.Parameter(
+            torch.empty(num_experts, hidden), requires_grad=False
+        )
         self.e_score_correction_bias = nn.Parameter(
             torch.empty(num_experts), requires_grad=False
         )

@@ -1,0 +1,202 @@
+"""The scheduler driven by a toy runner that keeps a real paged token cache and a
+"recurrent state" per slot (the tuple of tokens it has consumed).
+
+The toy predicts the next token from the prefix it reads back through the block
+table, so a wrong context, block table, prefix hit, state fork, save or commit
+changes the generated text or trips an assertion. Outputs must equal plain
+greedy generation.
+"""
+
+import random
+from collections import deque
+
+import pytest
+
+from atom.model_engine.batch import BatchOutput, ScheduledBatch
+from atom.model_engine.scheduler import Scheduler
+from atom.model_engine.sequence import Sequence
+from atom.sampling_params import SamplingParams
+
+VOCAB = 50
+EOS = 7
+BLOCK = 4
+
+
+def next_token(prefix: tuple[int, ...]) -> int:
+    acc = 0
+    for i, token in enumerate(prefix):
+        acc = (acc * 31 + token * (i + 7)) % 1_000_003
+    return acc % VOCAB
+
+
+def reference(prompt: list[int], params: SamplingParams, max_model_len: int):
+    tokens = list(prompt)
+    while True:
+        token = next_token(tuple(tokens))
+        tokens.append(token)
+        if token == EOS and not params.ignore_eos:
+            return tokens[len(prompt) :]
+        if len(tokens) - len(prompt) >= params.max_tokens:
+            return tokens[len(prompt) :]
+        if len(tokens) >= max_model_len:
+            return tokens[len(prompt) :]
+
+
+class ToyRunner:
+    def __init__(self, sched: Scheduler, num_spec: int, seed: int) -> None:
+        self.kv: list[int | None] = [None] * (
+            sched.block_manager.num_total_blocks * BLOCK
+        )
+        self.state: list[tuple[int, ...] | None] = [None] * sched.num_state_slots
+        self.snapshots: dict[int, list[tuple[int, ...]]] = {}
+        self.num_spec = num_spec
+        self.hybrid = sched.has_recurrent_state
+        self.rng = random.Random(seed)
+        self.num_forks = 0
+
+    def _slot(self, block_table: list[int], pos: int) -> int:
+        return block_table[pos // BLOCK] * BLOCK + pos % BLOCK
+
+    def execute(self, batch: ScheduledBatch) -> BatchOutput | None:
+        for slot, rows in batch.spec_commits:
+            self.state[slot] = self.snapshots.pop(slot)[rows - 1]
+        for work in batch.seqs:
+            if work.state_fork_src is not None:
+                self.state[work.state_slot] = self.state[work.state_fork_src]
+                self.num_forks += 1
+            elif work.context_len == 0:
+                self.state[work.state_slot] = ()
+        ids, emitted, accepted, drafts = [], [], [], []
+        for work in batch.seqs:
+            state = self.state[work.state_slot]
+            targets, row_states = [], []
+            for i, token in enumerate(work.token_ids):
+                pos = work.context_len + i
+                self.kv[self._slot(work.block_table, pos)] = token
+                prefix = tuple(
+                    self.kv[self._slot(work.block_table, p)] for p in range(pos + 1)
+                )
+                # Without recurrent layers the "state" is the KV itself.
+                state = state + (token,) if self.hybrid else prefix
+                assert prefix == state, "recurrent state disagrees with the KV"
+                row_states.append(state)
+                targets.append(next_token(prefix))
+            self.state[work.state_slot] = state
+            if work.num_spec_tokens:
+                self.snapshots[work.state_slot] = row_states
+            if not work.sample:
+                continue
+            base = len(work.token_ids) - 1 - work.num_spec_tokens
+            a = 0
+            while a < work.num_spec_tokens and (
+                work.token_ids[base + 1 + a] == targets[base + a]
+            ):
+                a += 1
+            tokens = work.token_ids[base + 1 : base + 1 + a] + [targets[base + a]]
+            committed = row_states[base + a] + (tokens[-1],)
+            ids.append(work.seq_id)
+            emitted.append(tokens)
+            accepted.append(a)
+            drafts.append(self._propose(committed, work.block_table))
+        for work in batch.seqs:
+            if work.state_save_dst is not None:
+                self.state[work.state_save_dst] = self.state[work.state_slot]
+        if not ids:
+            return None
+        return BatchOutput(batch.batch_id, ids, emitted, accepted, drafts)
+
+    def _propose(self, committed: tuple[int, ...], block_table: list[int]):
+        if not self.num_spec:
+            return []
+        # The drafter's block rows start at the anchor: their slots must exist.
+        anchor_pos = len(committed) - 1
+        for pos in range(anchor_pos, anchor_pos + self.num_spec):
+            self._slot(block_table, pos)
+        drafts, prefix = [], committed
+        for _ in range(self.num_spec):
+            token = next_token(prefix)
+            if self.rng.random() < 0.3:
+                token = (token + 1) % VOCAB
+            drafts.append(token)
+            prefix = prefix + (token,)
+        return drafts
+
+
+def make_requests(seed: int):
+    rng = random.Random(seed)
+    shared = [rng.randrange(VOCAB) for _ in range(14)]
+    # Early bare heads: their KV and state checkpoints serve the later requests.
+    requests = [
+        (0, Sequence(shared[:8], SamplingParams(temperature=0, max_tokens=3))),
+        (0, Sequence(shared[:12], SamplingParams(temperature=0, max_tokens=2))),
+    ]
+    for i in range(12):
+        head = shared[: rng.choice([0, 5, 8, 12, 14])]
+        tail = [rng.randrange(VOCAB) for _ in range(rng.randrange(1, 18))]
+        params = SamplingParams(
+            temperature=0, max_tokens=rng.randrange(1, 22), ignore_eos=i % 3 == 0
+        )
+        requests.append((rng.randrange(3, 30), Sequence(head + tail, params)))
+    return requests
+
+
+def simulate(sched: Scheduler, runner: ToyRunner, requests, depth: int):
+    arrivals = sorted(requests, key=lambda r: r[0])
+    in_flight: deque = deque()
+    step = 0
+    while arrivals or in_flight or not sched.is_finished():
+        step += 1
+        assert step < 5000, "the scheduler made no progress"
+        while arrivals and arrivals[0][0] <= step:
+            sched.add(arrivals.pop(0)[1])
+        batch = sched.schedule() if len(in_flight) < depth else None
+        if batch is not None:
+            in_flight.append((batch, runner.execute(batch)))
+        if in_flight and (batch is None or len(in_flight) >= depth):
+            done, output = in_flight.popleft()
+            sched.postprocess(done, output)
+
+
+@pytest.mark.parametrize(
+    "num_spec, hybrid, depth, num_blocks",
+    [
+        (0, False, 1, 64),
+        (0, False, 2, 16),
+        (3, False, 1, 16),
+        (3, True, 2, 64),
+        (0, True, 1, 16),
+        (2, True, 2, 16),
+    ],
+)
+def test_generation_matches_greedy_reference(num_spec, hybrid, depth, num_blocks):
+    max_model_len = 40
+    sched = Scheduler(
+        max_num_seqs=4,
+        max_num_batched_tokens=16,
+        max_model_len=max_model_len,
+        block_size=BLOCK,
+        num_kv_blocks=num_blocks,
+        has_recurrent_state=hybrid,
+        num_speculative_tokens=num_spec,
+        eos_token_id=EOS,
+        num_state_checkpoints=3,
+    )
+    runner = ToyRunner(sched, num_spec, seed=num_blocks + depth)
+    requests = make_requests(seed=7)
+    simulate(sched, runner, requests, depth)
+    for _, seq in requests:
+        expected = reference(seq.prompt_token_ids, seq.sampling_params, max_model_len)
+        assert seq.output_token_ids == expected, seq
+        assert seq.is_finished
+    stats = sched.stats()
+    assert stats["kv_cache_blocks_used"] == 0 and stats["requests_running"] == 0
+    assert stats["prefix_cache_hit_tokens"] > 0
+    assert stats["prompt_tokens"] == sum(s.num_prompt_tokens for _, s in requests)
+    assert stats["generation_tokens"] == sum(s.num_output_tokens for _, s in requests)
+    if num_blocks == 16:
+        assert stats["preemptions"] > 0
+    if hybrid:
+        assert runner.num_forks > 0
+    if num_spec:
+        spec = sched.spec_stats
+        assert 0 < spec.total_accepted_tokens < spec.total_draft_tokens
