@@ -69,7 +69,7 @@ class SharedEmbeddingDraft(nn.Module):
         return vocab
 
     def share_with_target(self, target_base: nn.Module) -> None:
-        """Bind `target_base.model.embed_tokens` and `target_base.lm_head` (same objects).
+        """Bind the target's `model.embed_tokens` and `lm_head` (the same objects).
 
         Validates the vocabulary first. Placement (a PPMissingLayer where the table
         should be) is `check_shared_embedding`'s job, so binding one succeeds here.

@@ -113,8 +113,8 @@ class DSparkAttention(nn.Module):
         rows, without a causal mask inside the block. Block KV stays transient.
         """
         cache = self._cache()
-        num_blocks = len(context_lens)
-        width = x.shape[0] // num_blocks
+        num_seqs = len(context_lens)
+        width = x.shape[0] // num_seqs
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q = q.view(x.shape[0], self.heads, self.nope_dim + self.rope_dim)
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
@@ -122,7 +122,7 @@ class DSparkAttention(nn.Module):
         # Rounded through the cache dtype, as if written to the cache and read back.
         block_rows = self.latent_rows(x, positions).to(cache.dtype)
         outputs = []
-        for b in range(num_blocks):
+        for b in range(num_seqs):
             rows = slice(b * width, (b + 1) * width)
             context = read_kv(cache, block_tables[b], context_lens[b])
             keys = torch.cat([context, block_rows[rows]], dim=0).to(x.dtype)

@@ -123,7 +123,8 @@ class DSparkDraftConfig:
         ids = self.target_layer_ids
         if not ids or any(b <= a for a, b in zip(ids, ids[1:])):
             raise ValueError(
-                f"target_layer_ids {list(ids)} must be non-empty and strictly increasing"
+                f"target_layer_ids {list(ids)} must be non-empty and strictly "
+                "increasing"
             )
         bad = [i for i in ids if not -1 <= i < self.target_num_hidden_layers]
         if bad:

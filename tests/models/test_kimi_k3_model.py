@@ -279,3 +279,11 @@ def test_bfloat16_build_keeps_the_fp32_parameters(k3):
     torch.testing.assert_close(
         taps[0].float(), golden(PROMPT)[1][1], atol=0.05, rtol=0.02
     )
+
+
+def test_tiny_kimi_linear_matches_golden():
+    """The flat layout: plain residual, softplus gate, legacy 4-D A_log, q_proj."""
+    model, config = build_target("tiny-kimi-linear")
+    bind_caches(model)
+    expected = GoldenModel.from_pretrained(config.model)(PROMPT)[0]
+    torch.testing.assert_close(logits_of(model, [work(PROMPT)]), expected, **TOL)
