@@ -54,14 +54,13 @@ class RequestResult:
 
 
 def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):
-    from transformers import AutoTokenizer
-
     from atom.models.tiny import is_tiny_model, resolve_model_path
+    from atom.utils.tokenizer import load_tokenizer as load_folder_tokenizer
 
     path = name_or_path
     if not os.path.isdir(path) and is_tiny_model(path):
         path = resolve_model_path(path)
-    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    return load_folder_tokenizer(path, trust_remote_code=trust_remote_code)
 
 
 def random_samples(

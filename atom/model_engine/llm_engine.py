@@ -13,7 +13,6 @@ from collections import deque
 from dataclasses import fields
 
 from tqdm import tqdm
-from transformers import AutoTokenizer
 
 from atom.config import Config
 from atom.model_engine.batch import ScheduledBatch
@@ -22,6 +21,7 @@ from atom.model_engine.scheduler import Scheduler
 from atom.model_engine.sequence import Sequence
 from atom.model_engine.worker import InProcessWorker, WorkerGroup
 from atom.sampling_params import SamplingParams
+from atom.utils.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ class LLMEngine:
         if unknown:
             raise TypeError(f"unknown engine arguments: {', '.join(unknown)}")
         self.config = config = Config(model=model, **kwargs)
-        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
+        self.tokenizer = load_tokenizer(config.tokenizer or config.model)
         self.model_name = model
         self.max_model_len = config.max_model_len
         num_checkpoints = config.max_num_seqs if config.enable_prefix_caching else 0

@@ -1,0 +1,117 @@
+"""Offline throughput of the engine: target-only vs DSpark, across pp x tp layouts.
+
+Prints one line per configuration (tokens/s, tok/fwd, acceptance) and, per stage, the
+memory ledger is in the log. Usage:
+
+    python benchmarks/bench_offline.py --model tiny-kimi-k3 --layouts 1x1,2x1 \
+        --draft-model tiny-kimi-k3-dspark --num-prompts 16 --output-len 64
+    python benchmarks/bench_offline.py --scaled-k3 1024 --layouts 1x1 --device cuda
+
+`--scaled-k3 H` builds a K3-layout checkpoint with hidden size H (same layer schedule,
+AttnRes, latent MoE and KDA/MLA mix as tiny-kimi-k3, widths scaled) into a temp folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import tempfile
+import time
+from pathlib import Path
+
+from atom import LLMEngine, SamplingParams
+from atom.models.tiny import build
+from atom.models.tiny import configs as tiny_configs
+from atom.models.tiny import weights as tiny_weights
+
+
+def scaled_k3_checkpoint(hidden: int, dtype: str, out: Path) -> str:
+    """A K3-layout target whose widths scale with `hidden` (64-dim heads)."""
+    config = tiny_configs.k3_config("KimiK3ForConditionalGeneration")
+    text = config["text_config"]
+    scale = hidden // text["hidden_size"]
+    heads = max(4, hidden // 64)
+    text.update(
+        hidden_size=hidden,
+        intermediate_size=4 * hidden,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        q_lora_rank=hidden // 2,
+        moe_intermediate_size=text["moe_intermediate_size"] * scale,
+        routed_expert_hidden_size=hidden // 2,
+    )
+    text["linear_attn_config"].update(num_heads=heads, head_dim=64)
+    config["torch_dtype"] = dtype
+    build._write_common(out, config)
+    tensors = tiny_weights.materialize(tiny_weights.k3_specs(config), seed=0)
+    build._save(tensors, out / "model.safetensors")
+    return str(out)
+
+
+def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab - 16) for _ in range(length)] for _ in range(n)]
+
+
+def run(args: argparse.Namespace, model: str, tp: int, pp: int, spec: bool) -> str:
+    kwargs = dict(
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
+        device=args.device,
+        dtype=args.dtype,
+        max_num_seqs=max(args.num_prompts, 1),
+    )
+    if spec:
+        kwargs.update(
+            method="dspark",
+            draft_model=args.draft_model,
+            num_speculative_tokens=args.num_speculative_tokens,
+        )
+    llm = LLMEngine(model, **kwargs)
+    vocab = int(llm.config.hf_config.text["vocab_size"])
+    prompts = random_prompts(args.num_prompts, args.input_len, vocab, seed=0)
+    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    llm.generate(prompts[:2], params)  # warm-up
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    tokens = sum(len(o["token_ids"]) for o in outputs)
+    stats = llm.get_mtp_statistics()
+    llm.close()
+    extra = ""
+    if stats:
+        extra = (
+            f", tok/fwd {stats['avg_tokens_per_forward']:.2f}, "
+            f"acceptance {100 * stats['acceptance_rate']:.2f}%"
+        )
+    label = f"pp{pp} x tp{tp} {'dspark' if spec else 'target-only'}"
+    return f"{label}: {tokens} tokens in {elapsed:.2f} s = {tokens / elapsed:.1f} tok/s{extra}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="tiny-kimi-k3")
+    parser.add_argument("--draft-model", default=None)
+    parser.add_argument("--num-speculative-tokens", type=int, default=7)
+    parser.add_argument("--scaled-k3", type=int, default=0, metavar="HIDDEN")
+    parser.add_argument("--layouts", default="1x1", help="comma list of PPxTP")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--num-prompts", type=int, default=16)
+    parser.add_argument("--input-len", type=int, default=64)
+    parser.add_argument("--output-len", type=int, default=64)
+    args = parser.parse_args()
+    model = args.model
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.scaled_k3:
+            dtype = "bfloat16" if args.dtype == "auto" else args.dtype
+            model = scaled_k3_checkpoint(args.scaled_k3, dtype, Path(tmp) / "k3")
+        for layout in args.layouts.split(","):
+            pp, tp = (int(x) for x in layout.split("x"))
+            print(run(args, model, tp, pp, spec=False), flush=True)
+            if args.draft_model:
+                print(run(args, model, tp, pp, spec=True), flush=True)
+
+
+if __name__ == "__main__":
+    main()
