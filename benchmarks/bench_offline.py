@@ -1,7 +1,8 @@
 """Offline throughput of the engine: target-only vs DSpark, across pp x tp layouts.
 
-Prints one line per configuration (tokens/s, tok/fwd, acceptance) and, per stage, the
-memory ledger is in the log. Usage:
+Prints one line per configuration (tokens/s, tok/fwd, acceptance, and whether its
+greedy token ids equal the first configuration's); each stage's memory ledger is in
+the log. Usage:
 
     python benchmarks/bench_offline.py --model tiny-kimi-k3 --layouts 1x1,2x1 \
         --draft-model tiny-kimi-k3-dspark --num-prompts 16 --output-len 64
@@ -53,7 +54,9 @@ def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]
     return [[rng.randrange(vocab - 16) for _ in range(length)] for _ in range(n)]
 
 
-def run(args: argparse.Namespace, model: str, tp: int, pp: int, spec: bool) -> str:
+def run(
+    args: argparse.Namespace, model: str, tp: int, pp: int, spec: bool
+) -> tuple[str, list[list[int]]]:
     kwargs = dict(
         tensor_parallel_size=tp,
         pipeline_parallel_size=pp,
@@ -85,7 +88,8 @@ def run(args: argparse.Namespace, model: str, tp: int, pp: int, spec: bool) -> s
             f"acceptance {100 * stats['acceptance_rate']:.2f}%"
         )
     label = f"pp{pp} x tp{tp} {'dspark' if spec else 'target-only'}"
-    return f"{label}: {tokens} tokens in {elapsed:.2f} s = {tokens / elapsed:.1f} tok/s{extra}"
+    line = f"{label}: {tokens} tokens in {elapsed:.2f} s = {tokens / elapsed:.1f} tok/s"
+    return line + extra, [o["token_ids"] for o in outputs]
 
 
 def main() -> None:
@@ -106,11 +110,14 @@ def main() -> None:
         if args.scaled_k3:
             dtype = "bfloat16" if args.dtype == "auto" else args.dtype
             model = scaled_k3_checkpoint(args.scaled_k3, dtype, Path(tmp) / "k3")
+        reference = None
         for layout in args.layouts.split(","):
             pp, tp = (int(x) for x in layout.split("x"))
-            print(run(args, model, tp, pp, spec=False), flush=True)
-            if args.draft_model:
-                print(run(args, model, tp, pp, spec=True), flush=True)
+            for spec in (False, True) if args.draft_model else (False,):
+                line, tokens = run(args, model, tp, pp, spec)
+                reference = reference or tokens
+                same = "same" if tokens == reference else "DIFFERENT"
+                print(f"{line}; greedy ids {same} as the first run", flush=True)
 
 
 if __name__ == "__main__":

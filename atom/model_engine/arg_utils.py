@@ -5,6 +5,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from atom.config import parse_partition
 from atom.utils.arg_parser import FlexibleArgumentParser
 
 # The tiny test checkpoints ship a matching DSpark draft, so `--method dspark`
@@ -57,13 +58,11 @@ def _positive_int(text: str) -> int:
 
 
 def _layer_partition(text: str) -> list[int]:
-    """'24,23' -> [24, 23]: layers per pipeline stage."""
+    """'24,23' -> [24, 23]: layers per pipeline stage (sums are checked by Config)."""
     try:
-        counts = [int(part) for part in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated layer counts such as '24,23', got {text!r}"
-        ) from None
+        counts = parse_partition(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
     if any(count < 1 for count in counts):
         raise argparse.ArgumentTypeError(
             f"every stage needs at least one layer, got {text!r}"

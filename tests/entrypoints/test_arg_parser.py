@@ -98,7 +98,7 @@ def test_unsupported_flags_are_rejected_by_name(argv, message, capsys):
         (["--max-model"], "unrecognized arguments"),  # no prefix matching
         (["--device", "tpu"], "invalid choice"),
         (["-tp", "0"], "expected a positive integer"),
-        (["--pp-layer-partition", "3,x"], "comma-separated layer counts"),
+        (["--pp-layer-partition", "3,x"], "comma list of integers"),
         (["--pp-layer-partition", "3,0"], "at least one layer"),
         (["--method", "medusa"], "invalid choice"),
     ],
