@@ -142,7 +142,15 @@ class LLMEngine:
                 f"{len(prompts)} prompts but {len(sampling_params)} sampling params"
             )
         start = time.monotonic()
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, sampling_params)]
+        ids: list[str] = []
+        try:
+            for prompt, params in zip(prompts, sampling_params):
+                ids.append(self.add_request(prompt, params))
+        except Exception:
+            # One bad prompt refuses the whole call: no orphan keeps generating.
+            for request_id in ids:
+                self.abort_request(request_id)
+            raise
         done: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm)
         while len(done) < len(ids):

@@ -47,7 +47,7 @@ class ModelRunner:
         self.relay = self._build_relay()
         self.step_sampler = StepSampler(device)
         self.cache: CacheEngine | None = None
-        log_memory_ledger(self.model, self.drafter)
+        self.memory_ledger = log_memory_ledger(self.model, self.drafter)
 
     def _build_model(self) -> torch.nn.Module:
         cls = get_model_class(self.config.hf_config.architecture)
@@ -58,7 +58,7 @@ class ModelRunner:
                 model = cls(self.config)
         finally:
             torch.set_default_dtype(saved)
-        load_weights(model, self.config.model)
+        self.load_report = load_weights(model, self.config.model)
         return model.eval()
 
     def _build_drafter(self) -> Drafter | None:
@@ -118,11 +118,10 @@ class ModelRunner:
             budget = int(free * self.config.gpu_memory_utilization) - state
         else:
             budget = CPU_KV_BUDGET_BYTES - state
-        wanted = -(
-            -self.config.max_num_seqs
-            * self.config.max_model_len
-            // self.config.block_size
-        )
+        # A sequence may hold positions up to max_model_len - 2 + T (the drafter's
+        # block rows), as the scheduler's worst case assumes.
+        longest = self.config.max_model_len - 1 + self.config.num_speculative_rows
+        wanted = self.config.max_num_seqs * -(-longest // self.config.block_size)
         return max(1, min(wanted, budget // per_block))
 
     def allocate_caches(self, num_blocks: int, num_checkpoints: int) -> None:

@@ -13,8 +13,11 @@ import multiprocessing as mp
 import os
 import queue
 import socket
+import time
 import traceback
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,10 +31,25 @@ from atom.distributed.parallel_state import (
 )
 from atom.model_engine.batch import BatchOutput, ScheduledBatch
 from atom.model_engine.model_runner import ModelRunner
+from atom.models.utils import language_model_of
 
 logger = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 900.0
+
+
+@dataclass
+class RankReport:
+    """One rank's start-up facts: its place, what it loaded, what it holds."""
+
+    pp_rank: int
+    tp_rank: int
+    # [start, end) of the decoder layers this stage owns.
+    layers: tuple[int, int]
+    # Parameter bytes by group (`memory_ledger`), as the rank logged them.
+    memory_ledger: dict[str, int]
+    # Parameters the strict loader accounted for ("target", and "draft" if any).
+    loaded_parameters: dict[str, int]
 
 
 @dataclass
@@ -40,6 +58,22 @@ class RuntimeInfo:
 
     num_kv_blocks: int
     has_recurrent_state: bool
+    # Every rank's report, in global rank order.
+    ranks: list[RankReport] = field(default_factory=list)
+
+
+def rank_report(runner: ModelRunner) -> RankReport:
+    base = language_model_of(runner.model).model
+    loaded = {"target": len(runner.load_report.loaded)}
+    if runner.drafter is not None:
+        loaded["draft"] = len(runner.drafter.load_report.loaded)
+    return RankReport(
+        get_pp_group().rank_in_group,
+        get_tp_group().rank_in_group,
+        (base.start_layer, base.end_layer),
+        dict(runner.memory_ledger),
+        loaded,
+    )
 
 
 def rank_device(config: Config, rank: int) -> torch.device:
@@ -70,7 +104,12 @@ def start_runner(config: Config, device: torch.device, num_checkpoints: int):
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
         blocks = int(agreed.item())
     runner.allocate_caches(blocks, num_checkpoints)
-    return runner, RuntimeInfo(blocks, runner.has_recurrent_state)
+    reports = [rank_report(runner)]
+    if dist.is_initialized():
+        # Small objects over the world group, so rank 0's ready message covers all.
+        reports = [None] * dist.get_world_size()
+        dist.all_gather_object(reports, rank_report(runner))
+    return runner, RuntimeInfo(blocks, runner.has_recurrent_state, reports)
 
 
 def worker_main(
@@ -101,8 +140,11 @@ def worker_main(
         reports = get_pp_group().is_last_rank and get_tp_group().is_first_rank
         if rank == 0:
             results.put(("ready", info))
-        while (batch := tasks.get()) is not None:
-            output = runner.execute(batch)
+        while (task := tasks.get()) is not None:
+            if callable(task):
+                results.put(("call", rank, task(runner)))
+                continue
+            output = runner.execute(task)
             if output is not None and reports:
                 results.put(("output", output))
     except BaseException:
@@ -157,10 +199,26 @@ class WorkerGroup:
             q.put(batch)
 
     def receive_output(self) -> BatchOutput:
-        kind, output = self._receive(None)
+        kind, *body = self._receive(None)
         if kind != "output":
             raise RuntimeError(f"unexpected message {kind!r} from the last stage")
-        return output
+        return body[0]
+
+    def call(self, fn: Callable[[ModelRunner], Any]) -> list[Any]:
+        """`fn(runner)` on every rank, results in global rank order (inspection and
+        tests; only while no batch is in flight). `fn` must pickle (module level);
+        return plain data or numpy, since tensors would travel as shared memory
+        that dies with the rank."""
+        for q in self.tasks:
+            q.put(fn)
+        replies: dict[int, Any] = {}
+        while len(replies) < len(self.tasks):
+            kind, *body = self._receive(None)
+            if kind != "call":
+                raise RuntimeError(f"unexpected message {kind!r} during call")
+            rank, value = body
+            replies[rank] = value
+        return [replies[rank] for rank in range(len(self.tasks))]
 
     def _receive(self, timeout: float | None) -> tuple:
         waited = 0.0
@@ -177,23 +235,42 @@ class WorkerGroup:
                     ) from None
                 continue
             if msg[0] == "error":
-                self.close()
                 _, rank, tb = msg
-                raise RuntimeError(f"rank {rank} ({self._where(rank)}) failed:\n{tb}")
-            return msg[0], msg[1]
+                failed = f"rank {rank} ({self._where(rank)}) failed:\n{tb}"
+                # A killed rank breaks its peers' send/recv first: name the cause.
+                crashed = self._crashed_rank()
+                self.close()
+                if crashed is not None:
+                    raise RuntimeError(f"{crashed}; then {failed}")
+                raise RuntimeError(failed)
+            return msg
 
     def _where(self, rank: int) -> str:
         return f"pp_rank {rank // self.tp_size}, tp_rank {rank % self.tp_size}"
 
-    def _check_alive(self) -> None:
+    def _exited_rank(self, crashed_only: bool = False) -> str | None:
+        """The first rank that is gone, or None; `crashed_only` skips ranks that
+        returned (code 0), as a rank does after reporting its own error."""
         for rank, proc in enumerate(self.procs):
-            if not proc.is_alive():
-                code = proc.exitcode
-                self.close()
-                raise RuntimeError(
-                    f"rank {rank} ({self._where(rank)}) exited with code {code}; "
-                    "the engine cannot continue"
-                )
+            if proc.is_alive() or (crashed_only and proc.exitcode == 0):
+                continue
+            return f"rank {rank} ({self._where(rank)}) exited with code {proc.exitcode}"
+        return None
+
+    def _crashed_rank(self, grace_s: float = 0.5) -> str | None:
+        # The peer's socket closes a moment before its process can be reaped.
+        deadline = time.monotonic() + grace_s
+        while (crashed := self._exited_rank(crashed_only=True)) is None:
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        return crashed
+
+    def _check_alive(self) -> None:
+        exited = self._exited_rank()
+        if exited is not None:
+            self.close()
+            raise RuntimeError(f"{exited}; the engine cannot continue")
 
     def close(self) -> None:
         for q, proc in zip(self.tasks, self.procs):
@@ -222,6 +299,9 @@ class InProcessWorker:
 
     def receive_output(self) -> BatchOutput:
         return self.outputs.pop(0)
+
+    def call(self, fn: Callable[[ModelRunner], Any]) -> list[Any]:
+        return [fn(self.runner)]
 
     def close(self) -> None:
         self.outputs.clear()

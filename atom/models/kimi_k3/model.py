@@ -17,8 +17,10 @@ from atom.model_ops.attn_res import attn_res_mix
 from atom.model_ops.embed_head import ParallelLMHead, VocabParallelEmbedding
 from atom.model_ops.layernorm import RMSNorm
 from atom.model_ops.linear import ReplicatedLinear
+from atom.model_ops.mxfp4 import declares_mxfp4
 from atom.models.kimi_k3.config import KimiTextConfig
 from atom.models.kimi_k3.layer import KimiDecoderLayer
+from atom.models.kimi_k3.moe import FusedExperts
 from atom.models.kimi_k3.names import map_text_checkpoint_name
 from atom.models.utils import (
     IntermediateTensors,
@@ -34,6 +36,18 @@ def text_config_of(config: Config) -> KimiTextConfig:
     if text.get("tie_word_embeddings", False):
         raise ValueError("tie_word_embeddings: true is not supported for Kimi targets")
     return KimiTextConfig.from_hf(text, get_tp_group().world_size)
+
+
+def declare_mxfp4_experts(
+    model: nn.Module, quantization_config: dict | None, prefix: str
+) -> None:
+    """Expect MXFP4 halves for the routed experts the config stores as MXFP4 (K3
+    declares it in `text_config.quantization_config`); checked on expert 0's w1,
+    named as in the checkpoint."""
+    for name, module in model.named_modules(prefix=prefix):
+        if isinstance(module, FusedExperts):
+            if declares_mxfp4(quantization_config, f"{name}.0.w1"):
+                module.expect_mxfp4()
 
 
 class KimiLinearModel(nn.Module):
@@ -61,6 +75,8 @@ class KimiLinearModel(nn.Module):
             maybe_prefix(prefix, "layers"),
             config.pp_layer_partition,
         )
+        quantization = config.hf_config.text.get("quantization_config")
+        declare_mxfp4_experts(self, quantization, prefix)
         last = get_pp_group().is_last_rank
         hidden, eps = text.hidden_size, text.rms_norm_eps
         self.norm = RMSNorm(hidden, eps=eps) if last else PPMissingLayer()

@@ -23,9 +23,12 @@ from atom.model_ops.linear import (
     shard_of,
 )
 from atom.model_ops.moe_router import select_experts
+from atom.model_ops.mxfp4 import dequantize_mxfp4
 from atom.models.kimi_k3.config import KimiTextConfig
+from atom.models.kimi_k3.names import ExpertPart
 
 EXPERT_PROJECTIONS = ("w1", "w3", "w2")  # gate, up, down
+MXFP4_PARTS = ("packed", "scale")
 
 
 def make_act(config: KimiTextConfig) -> nn.Module:
@@ -51,7 +54,10 @@ class FusedExperts(nn.Module):
 
     D is the latent width R for a latent MoE, else H. Loaded from per-expert
     checkpoint tensors with shard ids (expert, "w1" | "w3" | "w2"); every pair is
-    expected, so a missing expert tensor fails the load.
+    expected, so a missing expert tensor fails the load. MXFP4 checkpoints send each
+    projection as two halves, ExpertPart(expert, name, "packed" | "scale"): the first
+    is held until its partner arrives, then the full weight is dequantized and only
+    then TP-sliced (a slice of packed bytes would cut through scale blocks).
     """
 
     def __init__(self, config: KimiTextConfig, width: int) -> None:
@@ -72,14 +78,47 @@ class FusedExperts(nn.Module):
             param.expected_shards = {
                 (e, name) for e in range(self.num_experts) for name in names
             }
+        # (expert, name) -> the half of an MXFP4 pair that arrived first.
+        self._pending: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+        # (expert, name) -> whether the checkpoint sent it as MXFP4.
+        self._loaded_mxfp4: dict[tuple[int, str], bool] = {}
         self.act = make_act(config)
 
+    def expect_mxfp4(self) -> None:
+        """The config declares MXFP4 experts: account for packed + scale halves."""
+        for e in range(self.num_experts):
+            for name in EXPERT_PROJECTIONS:
+                self._expect(e, name, mxfp4=True)
+
+    def _expect(self, expert: int, name: str, mxfp4: bool) -> None:
+        expected = (self.w2 if name == "w2" else self.w13).expected_shards
+        halves = {ExpertPart(expert, name, part) for part in MXFP4_PARTS}
+        if mxfp4:
+            expected.discard((expert, name))
+            expected |= halves
+        else:
+            expected -= halves
+            expected.add((expert, name))
+
     def weight_loader(
-        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, str]
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple
     ) -> None:
-        expert, name = shard_id
+        expert, name, *part = shard_id
         if not 0 <= expert < self.num_experts:
             raise ValueError(f"expert {expert} outside [0, {self.num_experts})")
+        mxfp4 = bool(part)
+        form = self._loaded_mxfp4.setdefault((expert, name), mxfp4)
+        if form != mxfp4:
+            raise ValueError(
+                f"expert {expert} {name} comes both as a plain weight and as MXFP4"
+            )
+        # Follow the checkpoint's form even if the config did not declare it, so
+        # accounting then asks for exactly the halves this projection still lacks.
+        self._expect(expert, name, mxfp4)
+        if mxfp4:
+            loaded = self._complete_pair(expert, name, part[0], loaded, param.dtype)
+            if loaded is None:
+                return
         if name == "w2":
             target = param.data[expert]
             piece = shard_of(loaded, 1, self.tp_rank, self.tp_size)
@@ -89,6 +128,30 @@ class FusedExperts(nn.Module):
             piece = shard_of(loaded, 0, self.tp_rank, self.tp_size)
         check_shape(target, piece, f"expert {expert} {name}")
         target.copy_(piece)
+
+    def _complete_pair(
+        self,
+        expert: int,
+        name: str,
+        part: str,
+        loaded: torch.Tensor,
+        dtype: torch.dtype,
+    ) -> torch.Tensor | None:
+        """The dequantized [out, in] weight once both halves arrived, else None."""
+        if part not in MXFP4_PARTS:
+            raise ValueError(f"unknown MXFP4 part {part!r}; expected {MXFP4_PARTS}")
+        halves = self._pending.setdefault((expert, name), {})
+        if part in halves:
+            raise ValueError(f"expert {expert} {name} weight_{part} arrived twice")
+        halves[part] = loaded
+        if len(halves) < len(MXFP4_PARTS):
+            return None
+        del self._pending[(expert, name)]
+        try:
+            return dequantize_mxfp4(halves["packed"], halves["scale"], dtype)
+        except TypeError as err:
+            # The loader names the checkpoint tensor for ValueErrors only.
+            raise ValueError(str(err)) from err
 
     def forward(
         self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor

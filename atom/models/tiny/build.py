@@ -7,6 +7,9 @@
 | tiny-kimi-k31 | as K3, `KimiK31ForConditionalGeneration` | 31 |
 | tiny-kimi-k3-dspark | draft with an `embed_tokens` copy of tiny-kimi-k3's table | 103 |
 | tiny-kimi-k31-dspark | draft without `embed_tokens` | 131 |
+
+The drafts' own weights come from `fitted/<name>.safetensors` (written by
+`python -m atom.models.tiny.fit_draft`); the seed fills the rest (the confidence head).
 """
 
 import json
@@ -14,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from atom.models.tiny import configs, weights
 from atom.models.tiny.tokenizer import build_tokenizer
@@ -94,9 +97,46 @@ def build_k31(out_dir: str | Path) -> None:
     _build_k3_layout(out_dir, "KimiK31ForConditionalGeneration", K31_SEED)
 
 
-def _build_dspark(
-    out_dir: str | Path, seed: int, embedding_of_seed: int | None
+FITTED_DIR = Path(__file__).parent / "fitted"
+
+# Draft name -> (seed of its random init, seed of the target whose embedding it
+# copies, or None for a draft shipped without `embed_tokens`).
+DRAFT_SEEDS: dict[str, tuple[int, int | None]] = {
+    "tiny-kimi-k3-dspark": (K3_DRAFT_SEED, K3_SEED),
+    "tiny-kimi-k31-dspark": (K31_DRAFT_SEED, None),
+}
+
+
+def fitted_draft_path(name: str) -> Path:
+    """The shipped fitted weights of a tiny draft (see `fit_draft`)."""
+    return FITTED_DIR / f"{name}.safetensors"
+
+
+def _override(
+    tensors: dict[str, torch.Tensor], fitted: dict[str, torch.Tensor]
 ) -> None:
+    unknown = sorted(set(fitted) - set(tensors))
+    if unknown:
+        raise ValueError(f"fitted draft tensors {unknown} are not draft tensors")
+    for name, value in fitted.items():
+        if value.shape != tensors[name].shape:
+            raise ValueError(
+                f"fitted {name} has shape {tuple(value.shape)}, the draft "
+                f"{tuple(tensors[name].shape)}"
+            )
+        tensors[name] = value.float().contiguous()
+
+
+def build_dspark_draft(
+    name: str, out_dir: str | Path, fitted: dict[str, torch.Tensor] | None
+) -> None:
+    """Write draft `name`: its seeded random init, with `fitted` tensors replacing
+    the trained ones (None: the unfitted draft `fit_draft` starts from)."""
+    if name not in DRAFT_SEEDS:
+        raise ValueError(
+            f"unknown tiny draft {name!r}; known: {', '.join(DRAFT_SEEDS)}"
+        )
+    seed, embedding_of_seed = DRAFT_SEEDS[name]
     out = Path(out_dir)
     config = configs.dspark_config(configs.k3_text_config())
     _write_common(out, config)
@@ -104,17 +144,21 @@ def _build_dspark(
     specs = weights.dspark_specs(config, with_embedding=with_embedding)
     copies = {"embed_tokens.weight": (K3_TARGET_EMBED_NAME, embedding_of_seed)}
     tensors = weights.materialize(specs, seed, copies if with_embedding else None)
+    if fitted is not None:
+        _override(tensors, fitted)
     _save(tensors, out / "model.safetensors")
 
 
 def build_k3_dspark(out_dir: str | Path) -> None:
-    """K3 draft: ships a copy of tiny-kimi-k3's embedding, which atom must skip."""
-    _build_dspark(out_dir, K3_DRAFT_SEED, embedding_of_seed=K3_SEED)
+    """K3 draft fitted to tiny-kimi-k3; ships a copy of its embedding (atom skips it)."""
+    name = "tiny-kimi-k3-dspark"
+    build_dspark_draft(name, out_dir, load_file(fitted_draft_path(name)))
 
 
 def build_k31_dspark(out_dir: str | Path) -> None:
-    """K3.1 draft: no `embed_tokens`, as Inferact/Kimi-K3.1-DSpark."""
-    _build_dspark(out_dir, K31_DRAFT_SEED, embedding_of_seed=None)
+    """K3.1 draft fitted to tiny-kimi-k31; no `embed_tokens`, as Inferact's."""
+    name = "tiny-kimi-k31-dspark"
+    build_dspark_draft(name, out_dir, load_file(fitted_draft_path(name)))
 
 
 BUILDERS: dict[str, Callable[[str | Path], None]] = {

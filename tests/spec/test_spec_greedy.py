@@ -1,0 +1,129 @@
+"""Greedy speculation is lossless: the tokens are the target-only engine's, exactly.
+
+Both tiny targets with their fitted drafts; batch 1 and a mixed batch of 12 prompts
+(1 to 53 tokens, shared prefixes, chunked prefill), prefix caching on and off,
+T in {1, 3, 7}, max_tokens that end inside a verify block, and a prompt whose greedy
+continuation reaches EOS. The fitted drafts' acceptance must stay far above chance
+(1 in 1024 per draft): a draft that silently lost its context rows, taps or embedding
+would keep the output right and fail only here.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from atom import SamplingParams
+from tests.spec.spec_helpers import (
+    BLOCK_SIZE,
+    EOS,
+    PAIRS,
+    one_thread,  # noqa: F401  (autouse fixture)
+    random_tokens,
+    spec_engine,
+    target_engine,
+)
+
+# Prompts whose greedy continuation emits EOS as its 8th (tiny-kimi-k3) or 11th
+# (tiny-kimi-k31) token; asserted on the target-only run.
+EOS_PROMPTS = {
+    "tiny-kimi-k3": [
+        529, 90, 499, 790, 328, 557, 1013, 854, 159, 417, 840, 1008, 875, 156, 561,
+        378, 626, 293, 981, 138, 575, 615, 680,
+    ],
+    "tiny-kimi-k31": [709, 300, 354, 365, 960, 922, 573, 162, 442],
+}  # fmt: skip
+EOS_INDEX = 10
+SHARED = [0, 3, 5, 9]  # prompts starting with the shared prefix
+# Lengths not of the form 1 + k(T+1), so requests stop inside a verify block.
+MAX_TOKENS = [9, 12, 17, 5, 13, 20, 8, 14, 11, 10, 24, 6]
+# Fitted-draft floors, with margin under the measured values (see the report).
+MIN_ACCEPTANCE_RATE = 0.004
+MIN_FIRST_DRAFT_RATE = 0.02
+
+
+def mixed_batch(target: str) -> tuple[list[list[int]], list[SamplingParams]]:
+    rng = random.Random(11)
+    shared = random_tokens(rng, 2 * BLOCK_SIZE)
+    prompts = [
+        shared + random_tokens(rng, 5),
+        random_tokens(rng, 1),
+        random_tokens(rng, 40),
+        shared[:20] + random_tokens(rng, 3),
+        random_tokens(rng, 7),
+        shared + random_tokens(rng, 21),
+        random_tokens(rng, BLOCK_SIZE),
+        random_tokens(rng, 3),
+        random_tokens(rng, 26),
+        shared[:33],
+        EOS_PROMPTS[target],
+        random_tokens(rng, 12),
+    ]
+    params = [SamplingParams(temperature=0, max_tokens=n) for n in MAX_TOKENS]
+    return prompts, params
+
+
+@pytest.fixture(scope="module", params=list(PAIRS))
+def reference(request):
+    """(target, prompts, params, target-only outputs) of the mixed batch."""
+    target = request.param
+    prompts, params = mixed_batch(target)
+    engine = target_engine(target, max_num_seqs=16, max_num_batched_tokens=128)
+    outputs = engine.generate(prompts, params)
+    engine.close()
+    eos_run = outputs[EOS_INDEX]
+    assert eos_run["finish_reason"] == "stop" and eos_run["token_ids"][-1] == EOS
+    assert len(eos_run["token_ids"]) < MAX_TOKENS[EOS_INDEX]
+    return target, prompts, params, outputs
+
+
+def _tokens(outputs: list[dict]) -> list[list[int]]:
+    return [out["token_ids"] for out in outputs]
+
+
+@pytest.mark.parametrize(
+    "num_spec, prefix_caching, chunk",
+    [(7, True, 32), (3, False, 32), (1, True, 512)],
+    ids=["T7-prefix-chunked", "T3-no-prefix-chunked", "T1-prefix"],
+)
+def test_mixed_batch_matches_target_only(reference, num_spec, prefix_caching, chunk):
+    target, prompts, params, expected = reference
+    engine = spec_engine(
+        target,
+        num_spec,
+        # One state checkpoint per sequence slot: 16 keep every prompt's, so the
+        # second pass below resumes from them.
+        max_num_seqs=16,
+        max_num_batched_tokens=chunk,
+        enable_prefix_caching=prefix_caching,
+    )
+    first = engine.generate(prompts, params)
+    assert _tokens(first) == _tokens(expected)
+    assert [o["finish_reason"] for o in first] == [o["finish_reason"] for o in expected]
+    if prefix_caching:
+        # Again, for the prompts that share a prefix: now they all hit the cache.
+        hits_before = engine.get_stats()["prefix_cache_hit_tokens"]
+        again = engine.generate(
+            [prompts[i] for i in SHARED], [params[i] for i in SHARED]
+        )
+        assert engine.get_stats()["prefix_cache_hit_tokens"] > hits_before
+        assert _tokens(again) == [expected[i]["token_ids"] for i in SHARED]
+    stats = engine.get_mtp_statistics()
+    engine.close()
+    print(f"{target} T={num_spec}: {stats}")
+    assert stats["num_verify_steps"] > 0
+    if num_spec == 7:
+        assert stats["acceptance_rate"] >= MIN_ACCEPTANCE_RATE
+        assert stats["per_position_acceptance"][0] >= MIN_FIRST_DRAFT_RATE
+
+
+@pytest.mark.parametrize("num_spec", [1, 3, 7])
+def test_batch_of_one_matches_target_only(reference, num_spec):
+    target, prompts, params, expected = reference
+    engine = spec_engine(target, num_spec, max_num_seqs=1, max_num_batched_tokens=32)
+    for index in (EOS_INDEX, 2):  # EOS mid-run; a 40-token prompt in 2 chunks
+        (out,) = engine.generate([prompts[index]], [params[index]])
+        assert out["token_ids"] == expected[index]["token_ids"]
+        assert out["finish_reason"] == expected[index]["finish_reason"]
+    engine.close()

@@ -1,0 +1,104 @@
+"""Partial acceptance rolls the KDA state back to exactly the committed tokens.
+
+The drafter is made right for exactly j drafts per step (its real `propose` runs, then
+the first j drafts are replaced by the target's greedy continuation and the rest by
+other tokens), j in {0, 2, T}. After every commit, each KDA layer's conv and
+recurrent state must equal a target-only run's state at the same committed length,
+every verify step must accept exactly min(j, T_eff) drafts, and the tokens must be the
+target-only tokens.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from atom import SamplingParams
+from tests.spec.spec_helpers import (
+    PAIRS,
+    force_drafts,
+    one_thread,  # noqa: F401  (autouse fixture)
+    random_tokens,
+    runner_of,
+    spec_engine,
+    target_engine,
+)
+
+T = 7
+NEW_TOKENS = 30
+SETTINGS = dict(max_num_seqs=1, max_num_batched_tokens=64)
+# Verify rows and plain decode sum in different orders (fp32 drift ~1e-5 on states of
+# size ~2); a state rolled back to a wrong row differs by O(0.1).
+TOL = 1e-4
+
+
+def kda_states(engine, slot: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    layers = runner_of(engine).cache.state_layers
+    assert layers, "the tiny targets have KDA layers"
+    return [(m.conv_state[slot].clone(), m.ssm_state[slot].clone()) for m in layers]
+
+
+@pytest.fixture(scope="module", params=list(PAIRS))
+def reference(request):
+    """(target, prompt, greedy sequence, {committed length: KDA states}), target-only,
+    one decode step at a time."""
+    target = request.param
+    prompt = random_tokens(random.Random(5), 21)
+    engine = target_engine(target, **SETTINGS)
+    # T tokens past the spec run's end, so forced drafts exist for every step.
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS + T, ignore_eos=True)
+    engine.add_request(prompt, params)
+    states = {}
+    while engine.has_unfinished_requests():
+        engine.step()
+        if engine.scheduler.running:
+            seq = engine.scheduler.running[0]
+            states[seq.num_computed_tokens] = kda_states(engine, seq.state_slot)
+        else:
+            sequence = prompt + seq.output_token_ids
+    engine.close()
+    return target, prompt, sequence, states
+
+
+@pytest.mark.parametrize("num_right", [0, 2, T])
+def test_state_and_tokens_after_partial_acceptance(reference, num_right):
+    target, prompt, sequence, reference_states = reference
+    engine = spec_engine(target, T, **SETTINGS)
+    proposed = force_drafts(engine, [sequence], num_right)
+    cache = runner_of(engine).cache
+    real_commit = cache.commit
+    commits = []
+
+    def commit(slot: int, num_rows: int) -> None:
+        real_commit(slot, num_rows)
+        # Called while the next step runs: that step already counted its first row.
+        committed = engine.scheduler.running[0].num_computed_tokens - 1
+        commits.append((committed, num_rows, kda_states(engine, slot)))
+
+    cache.commit = commit
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    (out,) = engine.generate([prompt], params)
+    stats = engine.get_mtp_statistics()
+    engine.close()
+
+    assert out["token_ids"] == sequence[len(prompt) : len(prompt) + NEW_TOKENS]
+    assert proposed and commits
+    for committed, num_rows, states in commits:
+        # Rows kept = the verified last token plus the accepted drafts.
+        assert num_rows - 1 <= num_right
+        expected = reference_states[committed]
+        for layer, ((conv, ssm), (ref_conv, ref_ssm)) in enumerate(
+            zip(states, expected)
+        ):
+            where = f"KDA layer {layer} after {committed} committed tokens"
+            torch.testing.assert_close(conv, ref_conv, atol=TOL, rtol=TOL, msg=where)
+            torch.testing.assert_close(ssm, ref_ssm, atol=TOL, rtol=TOL, msg=where)
+    # Every step accepted min(j, T_eff): only the last steps verify fewer than T.
+    steps = stats["num_verify_steps"]
+    full_steps = [a for a in range(T + 1) if stats["distribution"][a] > 0]
+    if num_right < T:
+        assert stats["distribution"][num_right] * steps >= steps - 2
+    assert max(full_steps) == num_right
+    assert stats["total_accepted_tokens"] <= num_right * steps
