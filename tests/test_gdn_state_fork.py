@@ -26,6 +26,7 @@ from tests.e2e.pp_probe import (
     generate_ids,
     kda_states,
     make_engine,
+    one_torch_thread,
     teach_draft,
 )
 
@@ -52,6 +53,12 @@ def cold_state(prompt: list[int]) -> dict:
     (states,) = engine.workers.call(kda_states(recorder.works_of(0)[0].state_slot))
     engine.close()
     return states
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_torch_thread():
+    with one_torch_thread():
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -287,9 +287,12 @@ class InProcessWorker:
     """A single rank run inside the engine process (tp = pp = 1), as nano-vllm does."""
 
     def __init__(self, config: Config, num_checkpoints: int) -> None:
-        self.runner, self.info = start_runner(
-            config, rank_device(config, 0), num_checkpoints
-        )
+        device = rank_device(config, 0)
+        if device.type == "cpu":
+            # Like the rank processes: the ops of a CPU-served model are small, and
+            # OpenMP threads spinning on them cost far more than they parallelise.
+            torch.set_num_threads(1)
+        self.runner, self.info = start_runner(config, device, num_checkpoints)
         self.outputs: list[BatchOutput] = []
 
     def submit(self, batch: ScheduledBatch) -> None:

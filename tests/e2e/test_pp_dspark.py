@@ -32,6 +32,7 @@ from tests.e2e.pp_probe import (
     generate_ids,
     make_engine,
     mixed_prompts,
+    one_torch_thread,
     teach_draft,
 )
 
@@ -52,6 +53,12 @@ class Reference:
     drafts: list[list[list[int]]]  # every draft each sequence got at pp1 x tp1
     acceptance: float  # pp1 x tp1 DSpark
     loaded: dict[str, int]  # parameters the pp1 loader accounted for
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_torch_thread():
+    with one_torch_thread():
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from atom.sampling_params import SamplingParams
-from tests.e2e.pp_probe import make_engine
+from tests.e2e.pp_probe import make_engine, one_torch_thread
 
 PROMPT = "List all prime numbers below 30."
 MESSAGES = [{"role": "user", "content": "1+2+3=?"}]
@@ -78,6 +78,12 @@ def wait_healthy(proc: subprocess.Popen, url: str, log: Path) -> None:
             pass
         time.sleep(1)
     raise AssertionError(f"server not healthy in {STARTUP_TIMEOUT_S} s")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_torch_thread():
+    with one_torch_thread():
+        yield
 
 
 @pytest.fixture(scope="module")
