@@ -281,7 +281,7 @@ def test_chunked_prefill_writes_the_same_context_and_drafts(pp1):
     (one_rows, one_ids), (chunked_rows, chunked_ids) = results
     assert len(one_rows) == 2
     for a, b in zip(one_rows, chunked_rows):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
         assert torch.count_nonzero(a) > 0
     assert torch.equal(one_ids, chunked_ids)
 
