@@ -18,7 +18,7 @@ from atom.spec_decode.dspark_proposer import draw_from, markov_decode
 from tests.toy_target import ToyCausalLM
 
 BLOCK_SIZE, NUM_BLOCKS, WIDTH, TAP_WIDTH = 4, 8, 4, 4 * 128
-TABLE = list(range(NUM_BLOCKS))
+TABLE = torch.arange(NUM_BLOCKS).view(1, -1)  # one sequence's block table
 
 
 @pytest.fixture(scope="module")
@@ -41,14 +41,14 @@ def draft(draft_config):
 def logits(draft, ids, position):
     with torch.inference_mode():
         return draft.forward_block_rows(
-            torch.tensor([ids]), torch.tensor([position]), [TABLE]
+            torch.tensor([ids]), torch.tensor([position]), TABLE
         )[0]
 
 
 def test_context_rows_follow_the_spec(draft):
     gen = torch.Generator().manual_seed(1)
     taps, positions = torch.randn(3, TAP_WIDTH, generator=gen), torch.tensor([0, 5, 9])
-    slots = torch.tensor([20, 21, -1])  # -1: a padding row, never written
+    slots = torch.tensor([20, 21, 31])
     draft.write_context_kv(taps, positions, slots)
     context = draft.context_norm(draft.context_proj(taps))
     for layer in draft.layers:
@@ -76,7 +76,7 @@ def test_block_is_non_causal(draft):
     changed = logits(draft, [42, mask, mask, 17], 6)
     assert not torch.allclose(base[0], changed[0])  # row T-1 reaches row 0
     assert base.dtype == torch.float32 and base.shape == (4, 1024)
-    block = draft.block_forward(torch.tensor([42]), torch.tensor([6]), [TABLE], 4)
+    block = draft.block_forward(torch.tensor([42]), torch.tensor([6]), TABLE, 4)
     assert torch.equal(block[0], base)
 
 
@@ -94,11 +94,11 @@ def test_context_rows_beyond_p_are_never_read(draft):
 
 def test_batched_blocks_equal_single_blocks(draft):
     anchors, positions = torch.tensor([42, 7]), torch.tensor([6, 11])
-    tables = [TABLE, TABLE]
+    tables = TABLE.expand(2, -1)
     both = draft.block_forward(anchors, positions, tables, WIDTH)
     for b in range(2):
         one = draft.block_forward(
-            anchors[b : b + 1], positions[b : b + 1], [TABLE], WIDTH
+            anchors[b : b + 1], positions[b : b + 1], TABLE, WIDTH
         )
         torch.testing.assert_close(both[b], one[0])
 

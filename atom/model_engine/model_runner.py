@@ -9,6 +9,7 @@ propose the next drafts and return the one BatchOutput of this batch.
 from __future__ import annotations
 
 import logging
+from itertools import accumulate
 
 import torch
 
@@ -138,11 +139,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> BatchOutput | None:
-        for slot, rows in batch.spec_commits:
-            self.cache.commit(slot, rows)
-        for work in batch.seqs:
-            if work.state_fork_src is not None:
-                self.cache.copy_state(work.state_fork_src, work.state_slot)
+        self.cache.commit(
+            [slot for slot, _ in batch.spec_commits],
+            [rows for _, rows in batch.spec_commits],
+        )
+        forks = [work for work in batch.seqs if work.state_fork_src is not None]
+        self.cache.copy_states(
+            [work.state_fork_src for work in forks], [work.state_slot for work in forks]
+        )
         self.step_sampler.forget(batch.finished_seq_ids)
         input_ids, positions, metadata = prepare_inputs(
             batch.seqs, self.config.block_size, self.device
@@ -155,9 +159,10 @@ class ModelRunner:
             received = IntermediateTensors(payload)
         with set_forward_context(ForwardContext(metadata)):
             out = self.model(input_ids, positions, received)
-        for work in batch.seqs:
-            if work.state_save_dst is not None:
-                self.cache.copy_state(work.state_slot, work.state_save_dst)
+        saves = [work for work in batch.seqs if work.state_save_dst is not None]
+        self.cache.copy_states(
+            [work.state_slot for work in saves], [work.state_save_dst for work in saves]
+        )
         if not self.is_last_stage:
             payload = dict(out.items())
             if self.relay is not None:
@@ -188,7 +193,8 @@ class ModelRunner:
             self.drafter.precompute_context_kv(
                 positions, metadata.slot_mapping, num_tokens
             )
-        rows = StepSampler.rows_to_score(batch.seqs, metadata.query_start_loc)
+        starts = [0, *accumulate(work.num_rows for work in batch.seqs)]
+        rows = StepSampler.rows_to_score(batch.seqs, starts)
         if not rows:
             return None
         logits = self.model.compute_logits(hidden[rows])

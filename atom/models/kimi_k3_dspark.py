@@ -30,7 +30,7 @@ from atom.model_ops.linear import (
     RowParallelLinear,
     divide,
 )
-from atom.model_ops.paged_mla import latent_attention, read_kv, write_kv
+from atom.model_ops.paged_mla import gather_kv, latent_attention, write_kv
 from atom.model_ops.rotary_embedding import RotaryEmbedding
 from atom.models.dspark_base import SharedEmbeddingDraft
 from atom.models.kimi_k3_dspark_config import DSparkDraftConfig
@@ -104,8 +104,8 @@ class DSparkAttention(nn.Module):
         self,
         x: torch.Tensor,
         positions: torch.Tensor,
-        block_tables: list[list[int]],
-        context_lens: list[int],
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
     ) -> torch.Tensor:
         """x: [B*T, H] block rows; each block sees its context rows and itself.
 
@@ -113,32 +113,30 @@ class DSparkAttention(nn.Module):
         rows, without a causal mask inside the block. Block KV stays transient.
         """
         cache = self._cache()
-        num_seqs = len(context_lens)
+        num_seqs = context_lens.shape[0]
         width = x.shape[0] // num_seqs
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        q = q.view(x.shape[0], self.heads, self.nope_dim + self.rope_dim)
+        q = q.view(num_seqs, width, self.heads, self.nope_dim + self.rope_dim)
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
-        q_pe = self.rotary(positions, q_pe)
+        q_pe = self.rotary(positions, q_pe.reshape(x.shape[0], self.heads, -1))
         # Rounded through the cache dtype, as if written to the cache and read back.
         block_rows = self.latent_rows(x, positions).to(cache.dtype)
-        outputs = []
-        for b in range(num_seqs):
-            rows = slice(b * width, (b + 1) * width)
-            context = read_kv(cache, block_tables[b], context_lens[b])
-            keys = torch.cat([context, block_rows[rows]], dim=0).to(x.dtype)
-            outputs.append(
-                latent_attention(
-                    q_nope[rows],
-                    q_pe[rows],
-                    keys[:, : self.kv_lora_rank],
-                    keys[:, self.kv_lora_rank :],
-                    self.kv_b_proj.weight,
-                    self.v_dim,
-                    self.scale,
-                    None,
-                )
-            )
-        o = torch.cat(outputs, dim=0).reshape(x.shape[0], self.heads * self.v_dim)
+        context = gather_kv(cache, block_tables)
+        keys = torch.cat([context, block_rows.view(num_seqs, width, -1)], dim=1)
+        key_index = torch.arange(keys.shape[1], device=x.device)
+        visible = (key_index < context_lens.unsqueeze(1)) | (
+            key_index >= context.shape[1]
+        )
+        o = latent_attention(
+            q_nope,
+            q_pe.view(num_seqs, width, self.heads, -1),
+            keys.to(x.dtype),
+            self.kv_b_proj.weight,
+            self.v_dim,
+            self.scale,
+            visible.unsqueeze(1).expand(-1, width, -1),
+        )
+        o = o.reshape(x.shape[0], self.heads * self.v_dim)
         return self.o_proj(o.to(x.dtype))
 
 
@@ -166,8 +164,8 @@ class DSparkDecoderLayer(nn.Module):
         self,
         h: torch.Tensor,
         positions: torch.Tensor,
-        block_tables: list[list[int]],
-        context_lens: list[int],
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
     ) -> torch.Tensor:
         h = h + self.self_attn(
             self.input_layernorm(h), positions, block_tables, context_lens
@@ -254,7 +252,7 @@ class KimiK3DSpark(SharedEmbeddingDraft):
         self,
         anchor_ids: torch.Tensor,
         anchor_positions: torch.Tensor,
-        block_tables: list[list[int]],
+        block_tables: torch.Tensor,
         num_rows: int,
     ) -> torch.Tensor:
         """Base logits U [B, T, V] fp32 of the block [x0, m, ..., m].
@@ -272,9 +270,11 @@ class KimiK3DSpark(SharedEmbeddingDraft):
         self,
         block_ids: torch.Tensor,
         anchor_positions: torch.Tensor,
-        block_tables: list[list[int]],
+        block_tables: torch.Tensor,
     ) -> torch.Tensor:
-        """Logits [B, T, V] fp32 for explicit block inputs [B, T] (row 0 = anchor)."""
+        """Logits [B, T, V] fp32 for explicit block inputs [B, T] (row 0 = anchor).
+
+        block_tables [B, W] must cover each sequence's context rows."""
         if self.embed_tokens is None or self.lm_head is None:
             raise RuntimeError(
                 "the draft has no embedding / LM head: call share_with_target first "
@@ -283,7 +283,7 @@ class KimiK3DSpark(SharedEmbeddingDraft):
         num_seqs, width = block_ids.shape
         offsets = torch.arange(width, device=block_ids.device)
         positions = (anchor_positions.unsqueeze(1) + offsets).reshape(-1)
-        context_lens = [int(p) for p in anchor_positions.tolist()]
+        context_lens = anchor_positions
         # is_draft: tap hooks on the shared embedding must not record the block.
         with set_forward_context(ForwardContext(is_draft=True)):
             h = self.embed_tokens(block_ids.reshape(-1))

@@ -218,8 +218,14 @@ class Drafter:
             )
         anchor_tensor = torch.tensor(anchors, dtype=torch.long, device=device)
         position_tensor = torch.tensor(positions, dtype=torch.long, device=device)
+        table_width = max(len(table) for table in block_tables)
+        padded_tables = torch.tensor(
+            [table + [0] * (table_width - len(table)) for table in block_tables],
+            dtype=torch.long,
+            device=device,
+        )
         base_logits = self.model.block_forward(
-            anchor_tensor, position_tensor, block_tables, width
+            anchor_tensor, position_tensor, padded_tables, width
         )
         return markov_decode(
             base_logits,

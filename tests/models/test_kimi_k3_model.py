@@ -127,14 +127,21 @@ def test_verify_snapshots_then_commit_equal_sequential(k3, num_rows):
     cache = bind_caches(model, spec_rows=4)
     prompt, verify_rows = PROMPT[:10], PROMPT[10:14]
     logits_of(model, [work(prompt, slot=0), work(prompt, slot=1, first_block=16)])
-    before = [(m.conv_state.clone(), m.ssm_state.clone()) for m in cache.state_layers]
+    untouched = [
+        (m.conv_state[1].clone(), m.ssm_state[1].clone()) for m in cache.state_layers
+    ]
 
     verified = logits_of(model, [work(verify_rows, 10, slot=0, num_spec_tokens=3)])
     torch.testing.assert_close(verified, golden(PROMPT[:14])[0][10:], **TOL)
-    for layer, (conv, ssm) in zip(cache.state_layers, before):
-        assert torch.equal(layer.conv_state, conv) and torch.equal(layer.ssm_state, ssm)
+    for layer, (conv, ssm) in zip(cache.state_layers, untouched):
+        # Only the verified slot moves: to the state after its last row, with every
+        # row's state kept in the snapshots for the commit to choose from.
+        assert torch.equal(layer.conv_state[1], conv) and torch.equal(
+            layer.ssm_state[1], ssm
+        )
+        assert torch.equal(layer.ssm_state[0], layer.ssm_snapshots[0, 3])
 
-    cache.commit(0, num_rows)
+    cache.commit([0], [num_rows])
     for offset, token in enumerate(verify_rows[:num_rows]):  # the sequential twin
         logits_of(model, [work([token], 10 + offset, slot=1, first_block=16)])
     for layer in cache.state_layers:

@@ -1,7 +1,7 @@
-"""Feed-forward blocks: dense gated MLP, routed experts, plain and latent MoE (spec 4.5).
+"""Feed-forward blocks: dense gated MLP, routed experts, plain and latent MoE.
 
-Routed experts run as a plain loop over the experts some token picked: simple and
-CPU-friendly. Each rank holds its I_e/tp slice of every expert; partial expert sums are
+Routed experts run as grouped matrix products over tokens sorted by expert
+(`model_ops/grouped_experts.py`). Each rank holds its I_e/tp slice of every expert; partial expert sums are
 reduced before anything nonlinear touches them.
 """
 
@@ -13,6 +13,7 @@ from torch import nn
 
 from atom.distributed.parallel_state import get_tp_group
 from atom.model_ops.activation import get_act_and_mul
+from atom.model_ops.grouped_experts import grouped_expert_mlp
 from atom.model_ops.layernorm import RMSNorm
 from atom.model_ops.linear import (
     MergedColumnParallelLinear,
@@ -157,15 +158,7 @@ class FusedExperts(nn.Module):
         self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor
     ) -> torch.Tensor:
         """This rank's partial sum_k w_k * expert_k(x), [N, D] in fp32."""
-        out = torch.zeros(
-            x.shape[0], self.w2.shape[1], dtype=torch.float32, device=x.device
-        )
-        for expert in expert_ids.unique().tolist():
-            tokens, picks = torch.nonzero(expert_ids == expert, as_tuple=True)
-            inner = self.act(F.linear(x[tokens], self.w13[expert]))
-            y = F.linear(inner, self.w2[expert]).float()
-            out.index_add_(0, tokens, y * weights[tokens, picks].unsqueeze(1))
-        return out
+        return grouped_expert_mlp(x, weights, expert_ids, self.w13, self.w2, self.act)
 
 
 class RouterGate(nn.Module):
