@@ -134,7 +134,10 @@ class Config:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
-    enforce_eager: bool = True
+    # Capture decode steps as CUDA graphs (CUDA only); True runs every step eagerly.
+    enforce_eager: bool = False
+    # Batch sizes to capture; None: the default ladder up to max_num_seqs.
+    cudagraph_capture_sizes: list[int] | None = None
     kv_role: str = "none"
     pp_layer_partition: list[int] | None = None
     seed: int = 0

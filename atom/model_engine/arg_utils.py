@@ -31,7 +31,6 @@ UNSUPPORTED_ENGINE_FLAGS: dict[tuple[str, ...], str] = {
     ("--kv-transfer-config",): "use --kv-role",
     ("--kv-cache-dtype",): "",
     ("--online-quant-config",): "",
-    ("--cudagraph-capture-sizes",): "",
     ("--cudagraph-mode",): "",
     ("--level",): "",
     ("--hf-overrides",): "",
@@ -70,6 +69,21 @@ def _layer_partition(text: str) -> list[int]:
     return counts
 
 
+def _capture_sizes(text: str) -> list[int]:
+    """'[1,2,4]' or '1,2,4' -> [1, 2, 4] (ATOM writes a list literal)."""
+    try:
+        sizes = [int(part) for part in text.strip("[] ").split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"capture sizes must be a list of integers like '[1,2,4]', got {text!r}"
+        ) from None
+    if not sizes or any(size < 1 for size in sizes):
+        raise argparse.ArgumentTypeError(
+            f"capture sizes must be positive integers, got {text!r}"
+        )
+    return sizes
+
+
 @dataclass
 class EngineArgs:
     model: str = "tiny-kimi-k3"
@@ -79,6 +93,7 @@ class EngineArgs:
     device: str = "auto"
     dtype: str = "auto"
     enforce_eager: bool = False
+    cudagraph_capture_sizes: list[int] | None = None
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     block_size: int = 16
@@ -128,7 +143,16 @@ class EngineArgs:
             help="weight and activation dtype; auto = the checkpoint's",
         )
         parser.add_argument(
-            "--enforce-eager", action="store_true", help="never capture CUDA graphs"
+            "--enforce-eager",
+            action="store_true",
+            help="never capture CUDA graphs (CPU always runs eagerly)",
+        )
+        parser.add_argument(
+            "--cudagraph-capture-sizes",
+            type=_capture_sizes,
+            default=None,
+            help="decode batch sizes to capture as CUDA graphs, e.g. '[1,2,4,8]' "
+            "(default: 1, 2, 4, 8, 16, 24, 32, 48, ... up to --max-num-seqs)",
         )
         parser.add_argument(
             "--enable-prefix-caching",

@@ -58,30 +58,29 @@ class CacheEngine:
         self.device = torch.device(device)
         self.kv_layers = kv_layers(modules)
         self.state_layers = state_layers(modules)
+        # One scratch block and one scratch state slot past the usable ones: the
+        # dummy sequences that pad a captured graph's batch write there.
+        self.scratch_kv_slot = num_blocks * block_size
+        self.scratch_state_slot = num_state_slots
+        blocks, slots = num_blocks + 1, num_state_slots + 1
         for layer in self.kv_layers:
             layer.kv_cache = torch.zeros(
-                num_blocks, block_size, layer.kv_cache_dim, dtype=dtype, device=device
+                blocks, block_size, layer.kv_cache_dim, dtype=dtype, device=device
             )
         for layer in self.state_layers:
             conv, ssm = layer.state_shapes()
-            layer.conv_state = torch.zeros(
-                num_state_slots, *conv, dtype=dtype, device=device
-            )
+            layer.conv_state = torch.zeros(slots, *conv, dtype=dtype, device=device)
             layer.ssm_state = torch.zeros(
-                num_state_slots, *ssm, dtype=torch.float32, device=device
+                slots, *ssm, dtype=torch.float32, device=device
             )
             # Rebinding replaces everything, so no buffer of an older engine lingers.
             layer.conv_snapshots = layer.ssm_snapshots = None
             if num_spec_rows:
                 layer.conv_snapshots = torch.zeros(
-                    num_state_slots, num_spec_rows, *conv, dtype=dtype, device=device
+                    slots, num_spec_rows, *conv, dtype=dtype, device=device
                 )
                 layer.ssm_snapshots = torch.zeros(
-                    num_state_slots,
-                    num_spec_rows,
-                    *ssm,
-                    dtype=torch.float32,
-                    device=device,
+                    slots, num_spec_rows, *ssm, dtype=torch.float32, device=device
                 )
 
     def _check_slots(self, slots: list[int], what: str) -> None:

@@ -12,12 +12,14 @@ import logging
 from itertools import accumulate
 
 import torch
+import torch.distributed as dist
 
 from atom.config import Config, is_context_only_producer
-from atom.distributed.parallel_state import get_pp_group
+from atom.distributed.parallel_state import get_pp_group, get_tp_group
 from atom.distributed.pp_comm import recv_tensor_dict, send_tensor_dict
 from atom.model_engine.batch import BatchOutput, ScheduledBatch, SeqWork
 from atom.model_engine.cache_engine import CacheEngine
+from atom.model_engine.cuda_graph import DecodeGraphs, capture_sizes
 from atom.model_engine.memory_ledger import log_memory_ledger
 from atom.model_engine.model_inputs import prepare_inputs
 from atom.model_engine.step_sampler import StepSampler
@@ -48,6 +50,7 @@ class ModelRunner:
         self.relay = self._build_relay()
         self.step_sampler = StepSampler(device)
         self.cache: CacheEngine | None = None
+        self.graphs: DecodeGraphs | None = None
         self.memory_ledger = log_memory_ledger(self.model, self.drafter)
 
     def _build_model(self) -> torch.nn.Module:
@@ -136,6 +139,45 @@ class ModelRunner:
             self.device,
             self.dtype,
         )
+        if self._can_capture_graphs():
+            self.graphs = self._capture_graphs()
+
+    def _can_capture_graphs(self) -> bool:
+        if self.device.type != "cuda" or self.config.enforce_eager:
+            return False
+        blockers = []
+        tp = get_tp_group()
+        if tp.world_size > 1 and dist.get_backend(tp.device_group) != "nccl":
+            blockers.append("tensor-parallel ranks share a GPU over gloo")
+        if not all(
+            m.graph_capturable
+            for m in self.model.modules()
+            if hasattr(m, "graph_capturable")
+        ):
+            blockers.append(
+                "routed experts need a host sync here (grouped GEMM wants bf16 on sm90+)"
+            )
+        if blockers:
+            logger.info("running eagerly: %s", "; ".join(blockers))
+        return not blockers
+
+    @torch.inference_mode()
+    def _capture_graphs(self) -> DecodeGraphs:
+        spec_rows = self.config.num_speculative_rows
+        longest = self.config.max_model_len - 1 + spec_rows
+        return DecodeGraphs(
+            self.model,
+            capture_sizes(
+                self.config.cudagraph_capture_sizes, self.config.max_num_seqs
+            ),
+            [1, spec_rows + 1] if spec_rows else [1],
+            self.config.block_size,
+            -(-longest // self.config.block_size),
+            (self.cache.scratch_kv_slot, self.cache.scratch_state_slot),
+            self.is_first_stage,
+            self.device,
+            self.dtype,
+        )
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> BatchOutput | None:
@@ -148,17 +190,13 @@ class ModelRunner:
             [work.state_fork_src for work in forks], [work.state_slot for work in forks]
         )
         self.step_sampler.forget(batch.finished_seq_ids)
-        input_ids, positions, metadata = prepare_inputs(
-            batch.seqs, self.config.block_size, self.device
-        )
-        num_tokens = input_ids.numel()
+        num_tokens = batch.num_tokens
         received, taps_in = None, None
         if not self.is_first_stage:
             payload = recv_tensor_dict(self.device, self._expected_keys(num_tokens))
             taps_in = payload.pop(AUX_KEY, None)
             received = IntermediateTensors(payload)
-        with set_forward_context(ForwardContext(metadata)):
-            out = self.model(input_ids, positions, received)
+        out, positions, slot_mapping = self._forward(batch.seqs, received)
         saves = [work for work in batch.seqs if work.state_save_dst is not None]
         self.cache.copy_states(
             [work.state_slot for work in saves], [work.state_save_dst for work in saves]
@@ -171,7 +209,22 @@ class ModelRunner:
                     payload[AUX_KEY] = packed
             send_tensor_dict(payload)
             return None
-        return self._finish_on_last_stage(batch, out, positions, metadata, taps_in)
+        return self._finish_on_last_stage(batch, out, positions, slot_mapping, taps_in)
+
+    def _forward(
+        self, seqs: list[SeqWork], received: IntermediateTensors | None
+    ) -> tuple[torch.Tensor | IntermediateTensors, torch.Tensor, torch.Tensor]:
+        """(stage output, positions, slot mapping) of the batch's rows: a captured
+        graph replays decode batches it covers, everything else runs eagerly."""
+        key = self.graphs.size_for(seqs) if self.graphs is not None else None
+        if key is not None:
+            return self.graphs.run(key, seqs, received)
+        input_ids, positions, metadata = prepare_inputs(
+            seqs, self.config.block_size, self.device
+        )
+        with set_forward_context(ForwardContext(metadata)):
+            out = self.model(input_ids, positions, received)
+        return out, positions, metadata.slot_mapping
 
     def _expected_keys(self, num_tokens: int) -> set[str]:
         keys = set(
@@ -184,15 +237,13 @@ class ModelRunner:
         return keys
 
     def _finish_on_last_stage(
-        self, batch, hidden, positions, metadata, taps_in
+        self, batch, hidden, positions, slot_mapping, taps_in
     ) -> BatchOutput | None:
         num_tokens = positions.numel()
         if self.drafter is not None:
             if self.relay is not None:
                 self.relay.absorb(taps_in, self.drafter.tap_buffers, num_tokens)
-            self.drafter.precompute_context_kv(
-                positions, metadata.slot_mapping, num_tokens
-            )
+            self.drafter.precompute_context_kv(positions, slot_mapping, num_tokens)
         starts = [0, *accumulate(work.num_rows for work in batch.seqs)]
         rows = StepSampler.rows_to_score(batch.seqs, starts)
         if not rows:

@@ -50,6 +50,11 @@ def _grouped_linear(
     return out
 
 
+def experts_use_grouped_mm(w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    """Whether `grouped_expert_mlp` runs these weights in one sync-free kernel."""
+    return grouped_mm_supported(w13.device, w13.dtype, *w13.shape[1:], *w2.shape[1:])
+
+
 def grouped_expert_mlp(
     x: torch.Tensor,
     routing_weights: torch.Tensor,
@@ -57,22 +62,23 @@ def grouped_expert_mlp(
     w13: torch.Tensor,
     w2: torch.Tensor,
     act: Callable[[torch.Tensor], torch.Tensor],
+    use_grouped_mm: bool,
 ) -> torch.Tensor:
     """sum_k routing_weights[:, k] * expert_{ids[:, k]}(x) as [N, D] fp32.
 
     x [N, D]; routing_weights, expert_ids [N, k]; w13 [E, 2I, D] (gate rows first);
-    w2 [E, D, I]; `act` maps [M, 2I] to [M, I].
+    w2 [E, D, I]; `act` maps [M, 2I] to [M, I]; `use_grouped_mm` as
+    `experts_use_grouped_mm` says for these weights.
     """
     num_tokens, top_k = expert_ids.shape
     num_experts = w13.shape[0]
     flat_ids = expert_ids.reshape(-1)
     order = flat_ids.argsort(stable=True)
     token_of = order // top_k
-    group_ends = torch.bincount(flat_ids, minlength=num_experts).cumsum(0)
-    group_ends = group_ends.to(torch.int32)
-    use_grouped_mm = grouped_mm_supported(
-        x.device, x.dtype, w13.shape[1], w13.shape[2], w2.shape[1], w2.shape[2]
-    )
+    # A scatter, not bincount: CUDA's bincount reads its input's max on the host.
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=x.device)
+    counts.index_add_(0, flat_ids, torch.ones_like(flat_ids, dtype=torch.int32))
+    group_ends = counts.cumsum(0, dtype=torch.int32)
     inner = act(_grouped_linear(x[token_of], w13, group_ends, use_grouped_mm))
     y = _grouped_linear(inner, w2, group_ends, use_grouped_mm).float()
     y = y * routing_weights.reshape(-1)[order].float().unsqueeze(1)

@@ -123,5 +123,7 @@ def latent_attention(
     """
     keys = torch.where(visible.any(dim=1).unsqueeze(-1), keys, 0)
     if q_nope.shape[1] <= ABSORB_MAX_QUERY_LEN:
-        return absorbed_attention(q_nope, q_pe, keys, kv_b_weight, v_dim, scale, visible)
+        return absorbed_attention(
+            q_nope, q_pe, keys, kv_b_weight, v_dim, scale, visible
+        )
     return expanded_attention(q_nope, q_pe, keys, kv_b_weight, v_dim, scale, visible)

@@ -67,6 +67,12 @@ def test_store_true_flags_gain_a_no_form():
     assert parser.parse_args(["--loud_mode", "--no-loud-mode"]).loud_mode is False
 
 
+def test_cuda_graph_flags():
+    args = parse_engine_args("--cudagraph-capture-sizes", "[1,2,8]", "--enforce-eager")
+    assert args.cudagraph_capture_sizes == [1, 2, 8] and args.enforce_eager
+    assert parse_engine_args().cudagraph_capture_sizes is None
+
+
 def test_short_parallel_flags():
     args = parse_engine_args("-tp", "4", "-pp", "2", "--pp_layer_partition", "3,2")
     assert (args.tensor_parallel_size, args.pipeline_parallel_size) == (4, 2)
@@ -81,7 +87,7 @@ def test_short_parallel_flags():
         (["--data-parallel-size", "2"], "--data-parallel-size is not supported"),
         (["-dp", "2"], "-dp is not supported by atom"),
         (["--kv_cache_dtype", "fp8"], "--kv-cache-dtype is not supported by atom"),
-        (["--cudagraph-capture-sizes", "[1,2]"], "--cudagraph-capture-sizes is not"),
+        (["--cudagraph-mode", "FULL"], "--cudagraph-mode is not supported"),
         (["--port", "8000"], "use --server-port"),
     ],
 )
@@ -101,6 +107,8 @@ def test_unsupported_flags_are_rejected_by_name(argv, message, capsys):
         (["--pp-layer-partition", "3,x"], "comma list of integers"),
         (["--pp-layer-partition", "3,0"], "at least one layer"),
         (["--method", "medusa"], "invalid choice"),
+        (["--cudagraph-capture-sizes", "[1,x]"], "list of integers"),
+        (["--cudagraph-capture-sizes", "[0]"], "positive integers"),
     ],
 )
 def test_bad_values_fail_with_a_message(argv, message, capsys):

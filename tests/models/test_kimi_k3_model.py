@@ -12,12 +12,15 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from atom.model_engine.model_inputs import SeqPadding, prepare_inputs
 from atom.model_loader.loader import WeightLoadingError
 from atom.models.kimi_k3.model import KimiK3ForConditionalGeneration
 from atom.models.registry import get_model_class
 from atom.models.tiny import resolve_model_path
 from atom.models.utils import language_model_of
+from atom.utils.forward_context import ForwardContext, set_forward_context
 from tests.models.kimi_helpers import (
+    BLOCK_SIZE,
     bind_caches,
     build_target,
     forward_rows,
@@ -294,3 +297,49 @@ def test_tiny_kimi_linear_matches_golden():
     bind_caches(model)
     expected = GoldenModel.from_pretrained(config.model)(PROMPT)[0]
     torch.testing.assert_close(logits_of(model, [work(PROMPT)]), expected, **TOL)
+
+
+@pytest.mark.parametrize("num_spec", [0, 3])
+def test_graph_padded_decode_batch_equals_the_batch_alone(k3, num_spec):
+    """The dummy sequences that pad a captured graph's batch change nothing real:
+    real rows, KV and states match the unpadded batch, and the dummies touch only
+    the scratch block and slot."""
+    model, golden = k3
+    prompts = [PROMPT[:10], OTHER[:12]]
+    rows = [PROMPT[10 : 11 + num_spec], OTHER[12 : 13 + num_spec]]
+    decode = [
+        work(rows[i], len(prompts[i]), slot=i, num_spec_tokens=num_spec,
+             first_block=16 * i)
+        for i in range(2)
+    ]  # fmt: skip
+    results = []
+    for padded in (False, True):
+        cache = bind_caches(model, num_blocks=32, slots=2, spec_rows=4)
+        logits_of(
+            model, [work(p, slot=i, first_block=16 * i) for i, p in enumerate(prompts)]
+        )
+        padding = SeqPadding(5, cache.scratch_kv_slot, cache.scratch_state_slot)
+        ids, positions, metadata = prepare_inputs(
+            decode,
+            BLOCK_SIZE,
+            "cpu",
+            table_width=20,
+            padding=padding if padded else None,
+        )
+        with torch.inference_mode(), set_forward_context(ForwardContext(metadata)):
+            hidden = model(ids, positions)
+        real = len(rows[0]) + len(rows[1])
+        results.append(
+            (
+                model.compute_logits(hidden[:real]),
+                [m.kv_cache[:32].clone() for m in cache.kv_layers],
+                [m.ssm_state[:2].clone() for m in cache.state_layers],
+            )
+        )
+    (logits, kv, states), (padded_logits, padded_kv, padded_states) = results
+    assert metadata.num_seqs == 5 and metadata.query_len == 1 + num_spec
+    torch.testing.assert_close(padded_logits, logits, **TOL)
+    for a, b in zip(kv + states, padded_kv + padded_states):
+        torch.testing.assert_close(a, b, **TOL)
+    expected = golden(prompts[0] + rows[0])[0][len(prompts[0]) :]
+    torch.testing.assert_close(padded_logits[: len(rows[0])], expected, **TOL)

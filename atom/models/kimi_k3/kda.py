@@ -199,9 +199,7 @@ class KimiDeltaAttention(nn.Module):
         elif rows == 1:
             o, final = self._backend.decode(q, k, v, log_decay, beta, ssm_in)
         else:
-            o, final = self._backend.prefill(
-                q, k, v, log_decay, beta, ssm_in, metadata
-            )
+            o, final = self._backend.prefill(q, k, v, log_decay, beta, ssm_in, metadata)
         # Caches hold values, never autograd history (training runs this forward too).
         self.ssm_state.index_copy_(0, slots, final.detach())
         self.conv_state.index_copy_(0, slots, conv_out.detach())

@@ -13,7 +13,7 @@ from torch import nn
 
 from atom.distributed.parallel_state import get_tp_group
 from atom.model_ops.activation import get_act_and_mul
-from atom.model_ops.grouped_experts import grouped_expert_mlp
+from atom.model_ops.grouped_experts import experts_use_grouped_mm, grouped_expert_mlp
 from atom.model_ops.layernorm import RMSNorm
 from atom.model_ops.linear import (
     MergedColumnParallelLinear,
@@ -84,6 +84,8 @@ class FusedExperts(nn.Module):
         # (expert, name) -> whether the checkpoint sent it as MXFP4.
         self._loaded_mxfp4: dict[tuple[int, str], bool] = {}
         self.act = make_act(config)
+        # Decided on first use, once the weights sit on their device.
+        self._grouped_mm: bool | None = None
 
     def expect_mxfp4(self) -> None:
         """The config declares MXFP4 experts: account for packed + scale halves."""
@@ -158,7 +160,16 @@ class FusedExperts(nn.Module):
         self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor
     ) -> torch.Tensor:
         """This rank's partial sum_k w_k * expert_k(x), [N, D] in fp32."""
-        return grouped_expert_mlp(x, weights, expert_ids, self.w13, self.w2, self.act)
+        return grouped_expert_mlp(
+            x, weights, expert_ids, self.w13, self.w2, self.act, self.graph_capturable
+        )
+
+    @property
+    def graph_capturable(self) -> bool:
+        """True when the experts run with no host sync (one grouped kernel)."""
+        if self._grouped_mm is None:
+            self._grouped_mm = experts_use_grouped_mm(self.w13, self.w2)
+        return self._grouped_mm
 
 
 class RouterGate(nn.Module):
