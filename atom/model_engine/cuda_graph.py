@@ -22,13 +22,14 @@ import torch
 from torch import nn
 
 from atom.model_engine.batch import SeqWork
-from atom.model_engine.model_inputs import SeqPadding, prepare_inputs
-from atom.models.utils import IntermediateTensors
-from atom.utils.forward_context import (
-    AttentionMetadata,
-    ForwardContext,
-    set_forward_context,
+from atom.model_engine.model_inputs import (
+    SeqPadding,
+    StepLayout,
+    build_step,
+    view_step,
 )
+from atom.models.utils import IntermediateTensors
+from atom.utils.forward_context import ForwardContext, set_forward_context
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +48,11 @@ def capture_sizes(requested: list[int] | None, max_num_seqs: int) -> list[int]:
 @dataclass
 class _Capture:
     graph: torch.cuda.CUDAGraph
-    metadata: AttentionMetadata
+    # The static buffer every input of the capture is a view of, and its layout.
+    packed: torch.Tensor
+    layout: StepLayout
+    slot_mapping: torch.Tensor
+    positions: torch.Tensor
     output: torch.Tensor | IntermediateTensors
 
 
@@ -72,11 +77,8 @@ class DecodeGraphs:
         self.block_size = block_size
         self.table_width = table_width
         self.kv_slot, self.state_slot = padding_slots
-        self.is_first_stage = is_first_stage
         self.device = device
         max_rows = self.sizes[-1] * self.query_lens[-1]
-        self.input_ids = torch.zeros(max_rows, dtype=torch.long, device=device)
-        self.positions = torch.zeros(max_rows, dtype=torch.long, device=device)
         self.payload = None
         if not is_first_stage:
             self.payload = model.make_empty_intermediate_tensors(
@@ -94,8 +96,19 @@ class DecodeGraphs:
             self.query_lens,
         )
 
-    def _static_metadata(self, size: int, query_len: int) -> AttentionMetadata:
-        """Metadata of `size` padding sequences: every slot points to scratch."""
+    def _padding(self, size: int) -> SeqPadding:
+        return SeqPadding(size, self.kv_slot, self.state_slot)
+
+    def _payload(self, rows: int) -> IntermediateTensors | None:
+        if self.payload is None:
+            return None
+        return IntermediateTensors(
+            {key: value[:rows] for key, value in self.payload.items()}
+        )
+
+    def _capture(self, size: int, query_len: int, pool) -> _Capture:
+        # One continuing sequence on the scratch slots, padded to `size`: the
+        # capture's layout is the one every replay of this key builds.
         dummy = SeqWork(
             seq_id=0,
             token_ids=[0] * query_len,
@@ -109,24 +122,13 @@ class DecodeGraphs:
             top_p=1.0,
             seed=None,
         )
-        padding = SeqPadding(size, self.kv_slot, self.state_slot)
-        _, _, metadata = prepare_inputs(
-            [dummy], self.block_size, self.device, self.table_width, padding
+        packed, layout = build_step(
+            [dummy], self.block_size, self.table_width, self._padding(size)
         )
+        packed = packed.to(self.device)
+        ids, positions, metadata = view_step(packed, layout)
         metadata.slot_mapping.fill_(self.kv_slot)
-        return metadata
-
-    def _inputs(self, rows: int) -> tuple[torch.Tensor, torch.Tensor, object]:
-        payload = None
-        if self.payload is not None:
-            payload = IntermediateTensors(
-                {key: value[:rows] for key, value in self.payload.items()}
-            )
-        return self.input_ids[:rows], self.positions[:rows], payload
-
-    def _capture(self, size: int, query_len: int, pool) -> _Capture:
-        metadata = self._static_metadata(size, query_len)
-        ids, positions, payload = self._inputs(size * query_len)
+        payload = self._payload(size * query_len)
         with set_forward_context(ForwardContext(metadata)):
             stream = torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -137,7 +139,7 @@ class DecodeGraphs:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 output = self.model(ids, positions, payload)
-        return _Capture(graph, metadata, output)
+        return _Capture(graph, packed, layout, metadata.slot_mapping, positions, output)
 
     def size_for(self, seqs: list[SeqWork]) -> tuple[int, int] | None:
         """The capture that runs this batch, or None (run it eagerly).
@@ -168,19 +170,19 @@ class DecodeGraphs:
         mapping of the real sequences' rows, which come first)."""
         size, query_len = key
         capture = self.captures[key]
-        padding = SeqPadding(size, self.kv_slot, self.state_slot)
-        ids, positions, padded = prepare_inputs(
-            seqs, self.block_size, "cpu", self.table_width, padding
+        packed, layout = build_step(
+            seqs, self.block_size, self.table_width, self._padding(size)
         )
-        rows = size * query_len
-        static_ids, static_positions, static_payload = self._inputs(rows)
-        static_ids.copy_(ids, non_blocking=True)
-        static_positions.copy_(positions, non_blocking=True)
-        self._fill_metadata(capture.metadata, padded)
+        if layout != capture.layout:
+            raise RuntimeError(
+                f"batch layout {layout} differs from the captured {capture.layout}"
+            )
+        capture.packed.copy_(packed, non_blocking=True)
         num_rows = len(seqs) * query_len
-        if static_payload is not None:
+        if intermediate is not None:
+            static = self._payload(num_rows)
             for name, value in intermediate.items():
-                static_payload[name][:num_rows].copy_(value)
+                static[name].copy_(value)
         capture.graph.replay()
         output = capture.output
         if isinstance(output, IntermediateTensors):
@@ -189,18 +191,4 @@ class DecodeGraphs:
             )
         else:
             output = output[:num_rows]
-        slot_mapping = capture.metadata.slot_mapping[:num_rows]
-        return output, static_positions[:num_rows], slot_mapping
-
-    @staticmethod
-    def _fill_metadata(static: AttentionMetadata, values: AttentionMetadata) -> None:
-        for name in (
-            "query_start_loc",
-            "context_lens",
-            "fresh",
-            "slot_mapping",
-            "block_tables",
-            "state_slots",
-            "query_positions",
-        ):
-            getattr(static, name).copy_(getattr(values, name), non_blocking=True)
+        return output, capture.positions[:num_rows], capture.slot_mapping[:num_rows]

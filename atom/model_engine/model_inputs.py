@@ -1,4 +1,10 @@
-"""Flatten one batch of sequences into model inputs and attention metadata."""
+"""Flatten one batch of sequences into model inputs and attention metadata.
+
+The host builds every per-step integer tensor (token ids, positions, slots, block
+tables, ...) inside one int64 buffer, which reaches the device in a single copy; the
+inputs and the metadata are views of it. A captured graph keeps a static buffer of
+the same layout and replays after one `copy_` of the new step's buffer.
+"""
 
 from __future__ import annotations
 
@@ -9,17 +15,6 @@ import torch
 
 from atom.model_engine.batch import SeqWork
 from atom.utils.forward_context import AttentionMetadata
-
-
-def slot_of(block_table: list[int], position: int, block_size: int) -> int:
-    """The paged-KV slot of `position`: block_table[pos // bs] * bs + pos % bs."""
-    index = position // block_size
-    if index >= len(block_table):
-        raise ValueError(
-            f"position {position} needs block {index}, but the block table holds "
-            f"{len(block_table)} blocks"
-        )
-    return block_table[index] * block_size + position % block_size
 
 
 @dataclass(frozen=True)
@@ -36,7 +31,32 @@ class SeqPadding:
     state_slot: int
 
 
-def _check_work(work: SeqWork) -> None:
+@dataclass(frozen=True)
+class StepLayout:
+    """Host facts of one step and where each tensor sits in its packed buffer."""
+
+    num_seqs: int
+    num_tokens: int
+    max_query_len: int
+    uniform: bool
+    all_fresh: bool
+    keeps_row_states: bool
+    # (name, shape) in buffer order.
+    fields: tuple[tuple[str, tuple[int, ...]], ...]
+
+
+def slot_of(block_table: list[int], position: int, block_size: int) -> int:
+    """The paged-KV slot of `position`: block_table[pos // bs] * bs + pos % bs."""
+    index = position // block_size
+    if index >= len(block_table):
+        raise ValueError(
+            f"position {position} needs block {index}, but the block table holds "
+            f"{len(block_table)} blocks"
+        )
+    return block_table[index] * block_size + position % block_size
+
+
+def _check_work(work: SeqWork, block_size: int) -> None:
     if not work.token_ids:
         raise ValueError(f"sequence {work.seq_id} has no rows in this forward")
     if not 0 <= work.num_spec_tokens < len(work.token_ids):
@@ -44,6 +64,127 @@ def _check_work(work: SeqWork) -> None:
             f"sequence {work.seq_id}: num_spec_tokens={work.num_spec_tokens} "
             f"with {len(work.token_ids)} rows (rows are [last, d1..dT])"
         )
+    slot_of(work.block_table, work.context_len + work.num_rows - 1, block_size)
+
+
+def build_step(
+    seqs: list[SeqWork],
+    block_size: int,
+    table_width: int | None = None,
+    padding: SeqPadding | None = None,
+) -> tuple[torch.Tensor, StepLayout]:
+    """(packed host buffer, layout) of one forward over `seqs`.
+
+    Block tables are padded with block 0 (masked, never written) to the longest
+    table, or to `table_width` blocks when a captured graph fixes the width.
+    `padding` appends dummy sequences after the real ones (graph replay).
+    """
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    if not seqs:
+        raise ValueError("a forward needs at least one sequence")
+    for work in seqs:
+        _check_work(work, block_size)
+    token_ids = [t for work in seqs for t in work.token_ids]
+    lengths = [work.num_rows for work in seqs]
+    context_lens = [work.context_len for work in seqs]
+    state_slots = [work.state_slot for work in seqs]
+    tables = [work.block_table for work in seqs]
+    num_real_rows = len(token_ids)
+    if padding is not None:
+        extra = padding.num_seqs - len(seqs)
+        if extra < 0 or len(set(lengths)) != 1:
+            raise ValueError(
+                f"padding to {padding.num_seqs} sequences needs at most that many "
+                f"sequences of one length, got lengths {lengths}"
+            )
+        token_ids += [0] * (extra * lengths[0])
+        lengths += [lengths[0]] * extra
+        context_lens += [0] * extra
+        state_slots += [padding.state_slot] * extra
+        tables += [[]] * extra
+    width = max(len(table) for table in tables)
+    if table_width is not None:
+        if table_width < width:
+            raise ValueError(
+                f"table_width={table_width} is shorter than a block table of {width}"
+            )
+        width = table_width
+    num_seqs, num_tokens, max_query_len = len(lengths), len(token_ids), max(lengths)
+    uniform = all(n == max_query_len for n in lengths)
+
+    long = torch.long
+    lengths_t = torch.tensor(lengths, dtype=long)
+    context_t = torch.tensor(context_lens, dtype=long)
+    starts = torch.tensor([0, *accumulate(lengths)], dtype=long)
+    tables_t = torch.tensor(
+        [table + [0] * (width - len(table)) for table in tables], dtype=long
+    ).view(num_seqs, width)
+    row_seq = torch.repeat_interleave(torch.arange(num_seqs), lengths_t)
+    row_in_seq = torch.arange(num_tokens) - starts[row_seq]
+    positions = context_t[row_seq] + row_in_seq
+    slots = tables_t[row_seq, positions // block_size] * block_size
+    slots += positions % block_size
+    if padding is not None:
+        slots[num_real_rows:] = padding.kv_slot
+    offsets = torch.arange(max_query_len)
+    named = {
+        "input_ids": torch.tensor(token_ids, dtype=long),
+        "positions": positions,
+        "query_start_loc": starts,
+        "context_lens": context_t,
+        "slot_mapping": slots,
+        "block_tables": tables_t,
+        "state_slots": torch.tensor(state_slots, dtype=long),
+        "query_positions": context_t.unsqueeze(1) + offsets,
+    }
+    if not uniform:
+        within = offsets.unsqueeze(0) < lengths_t.unsqueeze(1)
+        named["pad_index"] = torch.where(
+            within, starts[:-1].unsqueeze(1) + offsets, num_tokens
+        )
+        named["unpad_index"] = row_seq * max_query_len + row_in_seq
+    layout = StepLayout(
+        num_seqs=num_seqs,
+        num_tokens=num_tokens,
+        max_query_len=max_query_len,
+        uniform=uniform,
+        all_fresh=all(work.context_len == 0 for work in seqs),
+        keeps_row_states=any(work.num_spec_tokens for work in seqs),
+        fields=tuple((name, tuple(t.shape)) for name, t in named.items()),
+    )
+    return torch.cat([t.reshape(-1) for t in named.values()]), layout
+
+
+def view_step(
+    packed: torch.Tensor, layout: StepLayout
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """(input_ids, positions, metadata) as views of a packed buffer."""
+    views: dict[str, torch.Tensor] = {}
+    offset = 0
+    for name, shape in layout.fields:
+        size = 1
+        for dim in shape:
+            size *= dim
+        views[name] = packed[offset : offset + size].view(shape)
+        offset += size
+    metadata = AttentionMetadata(
+        num_seqs=layout.num_seqs,
+        num_tokens=layout.num_tokens,
+        max_query_len=layout.max_query_len,
+        query_len=layout.max_query_len if layout.uniform else 0,
+        all_fresh=layout.all_fresh,
+        keeps_row_states=layout.keeps_row_states,
+        query_start_loc=views["query_start_loc"],
+        context_lens=views["context_lens"],
+        slot_mapping=views["slot_mapping"],
+        block_tables=views["block_tables"],
+        state_slots=views["state_slots"],
+        query_positions=views["query_positions"],
+        pad_index=views.get("pad_index"),
+        unpad_index=views.get("unpad_index"),
+    )
+    return views["input_ids"], views["positions"], metadata
 
 
 def prepare_inputs(
@@ -53,89 +194,7 @@ def prepare_inputs(
     table_width: int | None = None,
     padding: SeqPadding | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-    """(input_ids [N], positions [N], metadata) with sequences as consecutive rows.
-
-    Block tables are padded with block 0 (masked, never written) to the longest
-    table, or to `table_width` blocks when a captured graph fixes the width.
-    `padding` appends dummy sequences after the real ones (graph replay).
-    """
-    if block_size < 1:
-        raise ValueError(f"block_size must be >= 1, got {block_size}")
-    if not seqs:
-        raise ValueError("prepare_inputs needs at least one sequence")
-    token_ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    for work in seqs:
-        _check_work(work)
-        token_ids.extend(work.token_ids)
-        for position in work.positions:
-            positions.append(position)
-            slots.append(slot_of(work.block_table, position, block_size))
-    lengths = [work.num_rows for work in seqs]
-    context_lens = [work.context_len for work in seqs]
-    state_slots = [work.state_slot for work in seqs]
-    tables = [work.block_table for work in seqs]
-    if padding is not None:
-        extra = padding.num_seqs - len(seqs)
-        if extra < 0 or len(set(lengths)) != 1:
-            raise ValueError(
-                f"padding to {padding.num_seqs} sequences needs at most that many "
-                f"sequences of one length, got lengths {lengths}"
-            )
-        rows = lengths[0]
-        token_ids += [0] * (extra * rows)
-        positions += list(range(rows)) * extra
-        slots += [padding.kv_slot] * (extra * rows)
-        lengths += [rows] * extra
-        context_lens += [0] * extra
-        state_slots += [padding.state_slot] * extra
-        tables += [[]] * extra
-    query_start_loc = [0, *accumulate(lengths)]
-    max_query_len = max(lengths)
-    uniform = all(n == max_query_len for n in lengths)
-    width = max(len(table) for table in tables)
-    if table_width is not None:
-        if table_width < width:
-            raise ValueError(
-                f"table_width={table_width} is shorter than a block table of {width}"
-            )
-        width = table_width
-    tables = [table + [0] * (width - len(table)) for table in tables]
-    query_positions = [[c + r for r in range(max_query_len)] for c in context_lens]
-
-    def tensor(values: list) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long, device=device)
-
-    pad_index = unpad_index = None
-    if not uniform:
-        num_tokens = len(token_ids)
-        pad_index = tensor(
-            [
-                [start + r if r < n else num_tokens for r in range(max_query_len)]
-                for start, n in zip(query_start_loc, lengths)
-            ]
-        )
-        unpad_index = tensor(
-            [b * max_query_len + r for b, n in enumerate(lengths) for r in range(n)]
-        )
-    metadata = AttentionMetadata(
-        num_seqs=len(lengths),
-        num_tokens=len(token_ids),
-        max_query_len=max_query_len,
-        query_len=max_query_len if uniform else 0,
-        all_fresh=all(work.context_len == 0 for work in seqs),
-        keeps_row_states=any(work.num_spec_tokens for work in seqs),
-        query_start_loc=tensor(query_start_loc),
-        context_lens=tensor(context_lens),
-        fresh=torch.tensor(
-            [c == 0 for c in context_lens], dtype=torch.bool, device=device
-        ),
-        slot_mapping=tensor(slots),
-        block_tables=tensor(tables),
-        state_slots=tensor(state_slots),
-        query_positions=tensor(query_positions),
-        pad_index=pad_index,
-        unpad_index=unpad_index,
-    )
-    return tensor(token_ids), tensor(positions), metadata
+    """(input_ids [N], positions [N], metadata) with sequences as consecutive rows,
+    on `device` after one host-to-device copy."""
+    packed, layout = build_step(seqs, block_size, table_width, padding)
+    return view_step(packed.to(device), layout)

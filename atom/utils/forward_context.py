@@ -38,7 +38,6 @@ class AttentionMetadata:
     keeps_row_states: bool
     query_start_loc: torch.Tensor  # [B + 1] long
     context_lens: torch.Tensor  # [B] tokens already cached before this forward
-    fresh: torch.Tensor  # [B] bool: starts from a zero recurrent state
     slot_mapping: torch.Tensor  # [N] paged-KV slot of every row
     block_tables: torch.Tensor  # [B, W] long; unused entries name a scratch block
     state_slots: torch.Tensor  # [B] recurrent-state slot per sequence
@@ -47,6 +46,11 @@ class AttentionMetadata:
     # and padded index (b * max_query_len + r) of each flat row.
     pad_index: torch.Tensor | None = None
     unpad_index: torch.Tensor | None = None
+
+    @property
+    def fresh(self) -> torch.Tensor:
+        """[B] bool: the sequence starts here, from a zero recurrent state."""
+        return self.context_lens == 0
 
     def pad(self, rows: torch.Tensor) -> torch.Tensor:
         """[N, ...] flat rows -> [B, max_query_len, ...] (zeros after each sequence)."""

@@ -92,7 +92,7 @@ def test_state_and_tokens_after_partial_acceptance(reference, num_right):
             return
         # Called while the next step runs: that step already counted its first row.
         committed = engine.scheduler.running[0].num_computed_tokens - 1
-        ((slot,), (rows,)) = slots, num_rows  # one sequence
+        (slot,), (rows,) = slots, num_rows  # one sequence
         commits.append((committed, rows, kda_states(engine, slot)))
 
     cache.commit = commit
