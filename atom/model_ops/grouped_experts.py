@@ -27,7 +27,7 @@ def grouped_mm_supported(device: torch.device, dtype: torch.dtype, *dims: int) -
         return False
     if device.type == "cpu":
         return True
-    if device.type != "cuda" or dtype != torch.bfloat16:
+    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float32):
         return False
     return torch.cuda.get_device_capability(device) >= (9, 0)
 
