@@ -192,3 +192,71 @@ class DecodeGraphs:
         else:
             output = output[:num_rows]
         return output, capture.positions[:num_rows], capture.slot_mapping[:num_rows]
+
+
+class BlockPassGraphs:
+    """Captured DSpark block passes (backbone to base logits) per batch size.
+
+    The pass writes nothing, so padding is free: dummy sequences sit at position 0
+    with no visible context rows. Inputs live in one static int64 buffer per size:
+    anchors [B], anchor positions [B], block tables [B, W].
+    """
+
+    def __init__(
+        self,
+        draft: nn.Module,
+        sizes: list[int],
+        num_rows: int,
+        table_width: int,
+        device: torch.device,
+    ) -> None:
+        self.draft = draft
+        self.sizes = sorted(sizes)
+        self.num_rows = num_rows
+        self.table_width = table_width
+        self.device = device
+        self.captures: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, object]] = {}
+        pool = torch.cuda.graph_pool_handle()
+        for size in reversed(self.sizes):
+            packed = torch.zeros(
+                size * (2 + table_width), dtype=torch.long, device=device
+            )
+            args = self._views(packed, size)
+            stream = torch.cuda.Stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                for _ in range(_WARMUP_RUNS):
+                    draft.block_forward(*args, num_rows)
+            torch.cuda.current_stream(device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits = draft.block_forward(*args, num_rows)
+            self.captures[size] = (graph, packed, logits)
+        logger.info("captured %d DSpark block-pass graphs: %s", len(self.sizes), sizes)
+
+    def _views(
+        self, packed: torch.Tensor, size: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        anchors, positions, tables = packed.split([size, size, size * self.table_width])
+        return anchors, positions, tables.view(size, self.table_width)
+
+    def run(
+        self, anchors: list[int], positions: list[int], tables: list[list[int]]
+    ) -> torch.Tensor | None:
+        """Base logits [B, T, V] of the real sequences, or None when no capture
+        covers the batch (run it eagerly)."""
+        count = len(anchors)
+        if count > self.sizes[-1] or max(map(len, tables)) > self.table_width:
+            return None
+        size = next(s for s in self.sizes if s >= count)
+        graph, packed, logits = self.captures[size]
+        extra = size - count
+        rows = [t + [0] * (self.table_width - len(t)) for t in tables]
+        host = torch.tensor(
+            anchors + [0] * extra + positions + [0] * extra
+            + [b for row in rows for b in row] + [0] * (extra * self.table_width),
+            dtype=torch.long,
+        )  # fmt: skip
+        packed.copy_(host, non_blocking=True)
+        graph.replay()
+        return logits[:count]

@@ -164,15 +164,19 @@ class ModelRunner:
     @torch.inference_mode()
     def _capture_graphs(self) -> DecodeGraphs:
         spec_rows = self.config.num_speculative_rows
+        sizes = capture_sizes(
+            self.config.cudagraph_capture_sizes, self.config.max_num_seqs
+        )
         longest = self.config.max_model_len - 1 + spec_rows
+        table_width = -(-longest // self.config.block_size)
+        if self.drafter is not None and self.drafter.will_propose:
+            self.drafter.capture_graphs(sizes, table_width)
         return DecodeGraphs(
             self.model,
-            capture_sizes(
-                self.config.cudagraph_capture_sizes, self.config.max_num_seqs
-            ),
+            sizes,
             [1, spec_rows + 1] if spec_rows else [1],
             self.config.block_size,
-            -(-longest // self.config.block_size),
+            table_width,
             (self.cache.scratch_kv_slot, self.cache.scratch_state_slot),
             self.is_first_stage,
             self.device,

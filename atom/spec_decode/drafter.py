@@ -17,6 +17,7 @@ from torch import nn
 
 from atom.config import Config, is_context_only_producer
 from atom.distributed.parallel_state import get_pp_group, get_tp_group
+from atom.model_engine.cuda_graph import BlockPassGraphs
 from atom.model_loader.loader import LoadReport, load_weights, parameter_bytes
 from atom.models.kimi_k3_dspark_config import DEFAULT_DRAFT_ARCHITECTURE
 from atom.models.registry import get_draft_model_class
@@ -93,6 +94,7 @@ class Drafter:
         self.resident_taps: list[int] = []
         self.tap_buffers: list[torch.Tensor] = []
         self.capture: TapCapture | None = None
+        self.block_graphs: BlockPassGraphs | None = None
         self.own_parameter_bytes = 0
         self.shared_parameter_bytes = 0
 
@@ -179,6 +181,38 @@ class Drafter:
             taps, positions[:num_tokens], slot_mapping[:num_tokens]
         )
 
+    def capture_graphs(self, sizes: list[int], table_width: int) -> None:
+        """Capture the block pass for these batch sizes (CUDA; see cuda_graph.py)."""
+        self.block_graphs = BlockPassGraphs(
+            self.model,
+            sizes,
+            self.num_speculative_tokens,
+            table_width,
+            self.tap_buffers[0].device,
+        )
+
+    def _block_logits(
+        self, anchors: list[int], positions: list[int], tables: list[list[int]]
+    ) -> torch.Tensor:
+        """Base logits [B, T, V] of the block pass: replayed when captured."""
+        if self.block_graphs is not None:
+            logits = self.block_graphs.run(anchors, positions, tables)
+            if logits is not None:
+                return logits
+        device = self.tap_buffers[0].device
+        width = max(len(table) for table in tables)
+        padded = [table + [0] * (width - len(table)) for table in tables]
+
+        def tensor(values: list) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long, device=device)
+
+        return self.model.block_forward(
+            tensor(anchors),
+            tensor(positions),
+            tensor(padded),
+            self.num_speculative_tokens,
+        )
+
     @torch.inference_mode()
     def propose(
         self,
@@ -217,16 +251,7 @@ class Drafter:
                 f"{self.model.vocab_size})"
             )
         anchor_tensor = torch.tensor(anchors, dtype=torch.long, device=device)
-        position_tensor = torch.tensor(positions, dtype=torch.long, device=device)
-        table_width = max(len(table) for table in block_tables)
-        padded_tables = torch.tensor(
-            [table + [0] * (table_width - len(table)) for table in block_tables],
-            dtype=torch.long,
-            device=device,
-        )
-        base_logits = self.model.block_forward(
-            anchor_tensor, position_tensor, padded_tables, width
-        )
+        base_logits = self._block_logits(anchors, positions, block_tables)
         return markov_decode(
             base_logits,
             anchor_tensor,
