@@ -21,16 +21,18 @@ def model():
 def test_binds_every_layer(model):
     cache = CacheEngine([model], 10, BLOCK_SIZE, 3, 4, "cpu", torch.bfloat16)
     assert len(cache.kv_layers) == 4 and len(cache.state_layers) == 4
+    # One scratch block and one scratch state slot follow the usable ones.
+    assert (cache.scratch_kv_slot, cache.scratch_state_slot) == (10 * BLOCK_SIZE, 3)
     for layer in cache.kv_layers:
-        assert tuple(layer.kv_cache.shape) == (10, BLOCK_SIZE, 48)
+        assert tuple(layer.kv_cache.shape) == (11, BLOCK_SIZE, 48)
         assert layer.kv_cache.dtype == torch.bfloat16
     for layer in cache.state_layers:
-        assert tuple(layer.conv_state.shape) == (3, 384, 3)
+        assert tuple(layer.conv_state.shape) == (4, 384, 3)
         assert layer.conv_state.dtype == torch.bfloat16
-        assert tuple(layer.ssm_state.shape) == (3, 4, 32, 32)
+        assert tuple(layer.ssm_state.shape) == (4, 4, 32, 32)
         assert layer.ssm_state.dtype == torch.float32
-        assert tuple(layer.ssm_snapshots.shape) == (3, 4, 4, 32, 32)
-        assert tuple(layer.conv_snapshots.shape) == (3, 4, 384, 3)
+        assert tuple(layer.ssm_snapshots.shape) == (4, 4, 4, 32, 32)
+        assert tuple(layer.conv_snapshots.shape) == (4, 4, 384, 3)
     # Without speculation no snapshot buffers are allocated.
     cache = CacheEngine([model], 10, BLOCK_SIZE, 3, 0, "cpu", torch.float32)
     assert all(layer.ssm_snapshots is None for layer in cache.state_layers)
