@@ -73,14 +73,16 @@ class StepSampler:
         self, sampling: SamplingMetadata, drafts: DraftOutput
     ) -> None:
         """Keep, on the device, q of the drafts temperature > 0 requests verify next."""
-        rows = sampling.sampled_rows
-        if drafts.probs is None or not rows:
+        if drafts.probs is None or sampling.all_greedy:
             return
-        kept = drafts.probs
-        if len(rows) != sampling.num_seqs:
-            kept = kept[torch.tensor(rows, device=kept.device)]
-        for row, probs in zip(rows, kept):
-            self.draft_probs[sampling.seq_ids[row]] = probs
+        kept = drafts.probs.index_select(0, sampling.sampled_index)
+        sampled_ids = [
+            seq_id
+            for seq_id, greedy in zip(sampling.seq_ids, sampling.greedy_host)
+            if not greedy
+        ]
+        for seq_id, probs in zip(sampled_ids, kept):
+            self.draft_probs[seq_id] = probs
 
     def _probs_of_verified_drafts(
         self, sampling: SamplingMetadata, logits: torch.Tensor

@@ -62,9 +62,9 @@ def decision_keys(
     seeds: torch.Tensor, positions: torch.Tensor, streams: torch.Tensor | int
 ) -> torch.Tensor:
     """One 64-bit key per (seed, position, stream), broadcast together."""
-    seeds = seeds.long()
-    key = mix64(seeds)
-    key = mix64(key ^ torch.as_tensor(streams, dtype=torch.long, device=seeds.device))
+    if not isinstance(streams, torch.Tensor):
+        streams = int(streams)  # a Python scalar: no host-to-device copy
+    key = mix64(mix64(seeds.long()) ^ streams)
     return mix64(key ^ positions.long())
 
 

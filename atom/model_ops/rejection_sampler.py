@@ -90,15 +90,18 @@ def _stochastic(
     """(accepted [S], token emitted after them [S]) under the stochastic rule."""
     num_seqs, width = draft_ids.shape
     vocab = target_logits.shape[-1]
-    per_row = width + 1
+
+    def per_row(values: torch.Tensor) -> torch.Tensor:
+        return values.unsqueeze(1).expand(-1, width + 1).reshape(-1)
+
     p = filtered_probs(
         target_logits.reshape(-1, vocab),
-        sampling.temperatures.repeat_interleave(per_row),
-        sampling.top_ks.repeat_interleave(per_row),
-        sampling.top_ps.repeat_interleave(per_row),
+        per_row(sampling.temperatures),
+        per_row(sampling.top_ks),
+        per_row(sampling.top_ps),
         sampling.uses_top_k,
         sampling.uses_top_p,
-    ).view(num_seqs, per_row, vocab)
+    ).view(num_seqs, width + 1, vocab)
     p_draft = p[:, :width].gather(2, draft_ids.unsqueeze(2)).squeeze(2)
     if draft_probs is None:
         q_draft = torch.ones_like(p_draft)

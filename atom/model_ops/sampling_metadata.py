@@ -21,6 +21,17 @@ if TYPE_CHECKING:
 MAX_SEED = 2**63 - 1
 
 
+def _on_device(
+    values: list, dtype: torch.dtype, device: torch.device | str
+) -> torch.Tensor:
+    """Host values as a device tensor. A CUDA copy goes from pinned memory without
+    blocking: a plain copy would wait for the forward still running on the stream."""
+    host = torch.tensor(values, dtype=dtype)
+    if torch.device(device).type == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def _padded(
     rows: list[list[int]], device: torch.device | str, repeat_last: bool = False
 ) -> torch.Tensor:
@@ -29,7 +40,7 @@ def _padded(
     padded = [
         row + (row[-1:] if repeat_last else [0]) * (width - len(row)) for row in rows
     ]
-    return torch.tensor(padded, dtype=torch.long, device=device).view(len(rows), width)
+    return _on_device(padded, torch.long, device).view(len(rows), width)
 
 
 @dataclass(frozen=True)
@@ -68,6 +79,8 @@ class SamplingMetadata:
     positions: torch.Tensor
     greedy: torch.Tensor  # [S] bool
     greedy_host: list[bool]
+    # [S'] long: the rows with temperature > 0.
+    sampled_index: torch.Tensor
     uses_top_k: bool
     uses_top_p: bool
     # [R] long: rows of the step's hidden states whose logits are scored.
@@ -81,11 +94,6 @@ class SamplingMetadata:
     @property
     def all_greedy(self) -> bool:
         return all(self.greedy_host)
-
-    @property
-    def sampled_rows(self) -> list[int]:
-        """Rows of requests with temperature > 0."""
-        return [i for i, greedy in enumerate(self.greedy_host) if not greedy]
 
     @classmethod
     def build(
@@ -137,7 +145,7 @@ class SamplingMetadata:
                 raise ValueError(f"seed {seed} of row {row} is outside [0, 2**63)")
 
         def on_device(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=device)
+            return _on_device(values, dtype, device)
 
         return cls(
             seq_ids=list(seq_ids) if seq_ids is not None else list(range(num_seqs)),
@@ -148,6 +156,9 @@ class SamplingMetadata:
             positions=on_device(pos, torch.long),
             greedy=on_device(greedy, torch.bool),
             greedy_host=greedy,
+            sampled_index=on_device(
+                [i for i, g in enumerate(greedy) if not g], torch.long
+            ),
             uses_top_k=any(k > 0 and not g for k, g in zip(ks, greedy)),
             uses_top_p=any(p < 1 and not g for p, g in zip(ps, greedy)),
             logit_rows=(
@@ -177,9 +188,7 @@ class SamplingMetadata:
             start = end
         spec = SpecDecodeMetadata(
             draft_ids=_padded(drafts, device),
-            num_drafts=torch.tensor(
-                [len(d) for d in drafts], dtype=torch.long, device=device
-            ),
+            num_drafts=_on_device([len(d) for d in drafts], torch.long, device),
             num_drafts_host=[len(d) for d in drafts],
             # Padding repeats the last row, so every index is a real row.
             row_index=_padded(row_index, device, repeat_last=True),
