@@ -60,8 +60,8 @@ class StepSampler:
             )
         drafts = None
         if self.drafter is not None:
-            # The last emitted token anchors the next block, at the position right
-            # after the accepted drafts.
+            # The last emitted token anchors the next block; it sits accepted
+            # positions after the sequence's first decided position.
             anchors = emitted.gather(1, accepted.unsqueeze(1)).squeeze(1)
             drafts = self.drafter.propose(
                 anchors, sampling.positions + accepted, spec.block_tables, sampling

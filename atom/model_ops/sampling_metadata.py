@@ -18,9 +18,6 @@ import torch
 if TYPE_CHECKING:
     from atom.model_engine.batch import SeqWork
 
-MAX_SEED = 2**63 - 1
-
-
 def _on_device(
     values: list, dtype: torch.dtype, device: torch.device | str
 ) -> torch.Tensor:
@@ -73,7 +70,7 @@ class SamplingMetadata:
     temperatures: torch.Tensor  # [S] float32; 0 = greedy
     top_ks: torch.Tensor  # [S] long; <= 0 (or >= vocab) keeps every token
     top_ps: torch.Tensor  # [S] float32 in (0, 1]
-    seeds: torch.Tensor  # [S] int64 in [0, 2**63)
+    seeds: torch.Tensor  # [S] int64 (0 for greedy rows without one)
     # [S] long: the position of the token the sequence's first scored row predicts
     # (the sampled token, or the first draft when verifying).
     positions: torch.Tensor
@@ -141,8 +138,6 @@ class SamplingMetadata:
                     f"sequence row {row} samples (temperature {temps[row]}) without "
                     "a seed; the engine gives every request one when it is added"
                 )
-            if seed is not None and not 0 <= seed <= MAX_SEED:
-                raise ValueError(f"seed {seed} of row {row} is outside [0, 2**63)")
 
         def on_device(values: list, dtype: torch.dtype) -> torch.Tensor:
             return _on_device(values, dtype, device)
@@ -152,7 +147,7 @@ class SamplingMetadata:
             temperatures=on_device(temps, torch.float32),
             top_ks=on_device(ks, torch.long),
             top_ps=on_device(ps, torch.float32),
-            seeds=on_device([s or 0 for s in seed_list], torch.long),
+            seeds=on_device([0 if s is None else s for s in seed_list], torch.long),
             positions=on_device(pos, torch.long),
             greedy=on_device(greedy, torch.bool),
             greedy_host=greedy,
