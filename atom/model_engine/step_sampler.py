@@ -13,6 +13,8 @@ tokens without a broadcast.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from atom.model_engine.batch import TokenChoice
@@ -20,7 +22,9 @@ from atom.model_ops.rejection_sampler import verify_drafts
 from atom.model_ops.sampler import sample_tokens
 from atom.model_ops.sampling_metadata import SamplingMetadata
 from atom.spec_decode.draft_output import DraftOutput
-from atom.spec_decode.drafter import Drafter
+
+if TYPE_CHECKING:
+    from atom.spec_decode.drafter import Drafter
 
 
 class StepSampler:

@@ -18,23 +18,9 @@ from collections.abc import Sequence
 import torch
 
 from atom.model_ops.counter_random import Stream, uniforms
-from atom.model_ops.sampling_metadata import SamplingMetadata
+from atom.model_ops.sampling_metadata import SamplingMetadata, per_row
 
 Scalars = float | int | Sequence[float] | Sequence[int] | torch.Tensor
-
-
-def _per_row(
-    value: Scalars, num_rows: int, dtype: torch.dtype, device: torch.device, name: str
-) -> torch.Tensor:
-    if isinstance(value, torch.Tensor):
-        values = value.to(device=device, dtype=dtype).reshape(-1)
-    elif isinstance(value, (int, float)):
-        values = torch.full((num_rows,), value, dtype=dtype, device=device)
-    else:
-        values = torch.tensor(list(value), dtype=dtype, device=device)
-    if values.numel() != num_rows:
-        raise ValueError(f"{name}: {values.numel()} values for {num_rows} rows")
-    return values
 
 
 def _filter_top_k_top_p(
@@ -103,9 +89,13 @@ def probs_for(
     if logits.dim() != 2:
         raise ValueError(f"logits must be [B, V], got shape {tuple(logits.shape)}")
     rows, device = logits.shape[0], logits.device
-    temps = _per_row(temperature, rows, torch.float32, device, "temperature")
-    ks = _per_row(top_k, rows, torch.long, device, "top_k")
-    ps = _per_row(top_p, rows, torch.float32, device, "top_p")
+
+    def settings(values: Scalars, dtype: torch.dtype, name: str) -> torch.Tensor:
+        return torch.tensor(per_row(values, rows, name), dtype=dtype, device=device)
+
+    temps = settings(temperature, torch.float32, "temperature")
+    ks = settings(top_k, torch.long, "top_k")
+    ps = settings(top_p, torch.float32, "top_p")
     if bool((temps < 0).any()):
         raise ValueError("temperature must be >= 0")
     probs = filtered_probs(logits, temps, ks, ps)

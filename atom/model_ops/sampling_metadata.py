@@ -18,6 +18,18 @@ import torch
 if TYPE_CHECKING:
     from atom.model_engine.batch import SeqWork
 
+
+def per_row(values: object, count: int, name: str) -> list:
+    """One entry per row: a scalar repeats; a sequence or tensor must have `count`."""
+    if isinstance(values, torch.Tensor):
+        values = values.reshape(-1).tolist()
+    if isinstance(values, Sequence):
+        if len(values) != count:
+            raise ValueError(f"{name}: {len(values)} values for {count} rows")
+        return list(values)
+    return [values] * count
+
+
 def _on_device(
     values: list, dtype: torch.dtype, device: torch.device | str
 ) -> torch.Tensor:
@@ -110,21 +122,11 @@ class SamplingMetadata:
         A greedy row may have seed None; a sampled row needs an int seed.
         """
         num_seqs = len(temperatures)
-
-        def per_seq(values, name: str) -> list:
-            if isinstance(values, Sequence):
-                if len(values) != num_seqs:
-                    raise ValueError(
-                        f"{name}: {len(values)} values for {num_seqs} sequences"
-                    )
-                return list(values)
-            return [values] * num_seqs
-
         temps = [float(t) for t in temperatures]
-        ks = [int(k) for k in per_seq(top_ks, "top_ks")]
-        ps = [float(p) for p in per_seq(top_ps, "top_ps")]
-        seed_list = per_seq(seeds, "seeds")
-        pos = [int(p) for p in per_seq(positions, "positions")]
+        ks = [int(k) for k in per_row(top_ks, num_seqs, "top_ks")]
+        ps = [float(p) for p in per_row(top_ps, num_seqs, "top_ps")]
+        seed_list = per_row(seeds, num_seqs, "seeds")
+        pos = [int(p) for p in per_row(positions, num_seqs, "positions")]
         bad = [t for t in temps if not math.isfinite(t) or t < 0]
         if bad:
             raise ValueError(f"temperatures must be finite and >= 0, got {bad}")
