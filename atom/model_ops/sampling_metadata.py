@@ -38,6 +38,8 @@ def _on_device(
     host = torch.tensor(values, dtype=dtype)
     if torch.device(device).type == "cpu":
         return host
+    if host.numel() == 0:  # nothing to copy, nothing to pin
+        return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
 
 
