@@ -14,6 +14,8 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
+from atom.distributed.rank_process import loopback_store, use_loopback_sockets
+
 
 class GroupCoordinator:
     """One process group seen from one of its ranks."""
@@ -160,14 +162,18 @@ def init_distributed(
     pp_size: int,
     rank: int,
     backend: str,
-    init_method: str,
+    master_port: int,
 ) -> None:
-    """Join the world and build this rank's TP and PP groups (every rank calls this)."""
+    """Join the world and build this rank's TP and PP groups (every rank calls this).
+
+    The world lives on this machine: rank 0 serves the rendezvous store on
+    loopback `master_port`, and gloo / NCCL sockets stay on loopback too.
+    """
     global _TP, _PP
     world = tp_size * pp_size
-    dist.init_process_group(
-        backend, init_method=init_method, world_size=world, rank=rank
-    )
+    use_loopback_sockets()
+    store = loopback_store(rank, world, master_port)
+    dist.init_process_group(backend, store=store, world_size=world, rank=rank)
     tp_groups, pp_groups = stage_ranks(tp_size, pp_size)
     for kind, groups in (("tp", tp_groups), ("pp", pp_groups)):
         for ranks in groups:

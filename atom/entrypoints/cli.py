@@ -28,13 +28,16 @@ def run_generate(args: argparse.Namespace) -> None:
     from atom.sampling_params import SamplingParams
 
     prompts = read_prompts(args)
-    params = SamplingParams(
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        max_tokens=args.max_tokens,
-        seed=args.seed,
-    )
+    try:
+        params = SamplingParams(
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            max_tokens=args.max_tokens,
+            seed=args.seed,
+        )
+    except (ValueError, TypeError) as error:
+        raise SystemExit(f"atom generate: {error}") from None
     engine = EngineArgs.from_cli_args(args).create_engine()
     try:
         start = time.perf_counter()
@@ -62,13 +65,26 @@ def run_serve(args: argparse.Namespace) -> None:
 
 def add_generate_args(parser: FlexibleArgumentParser) -> FlexibleArgumentParser:
     parser.add_argument(
-        "--prompt", action="append", help="a prompt; repeat for several"
+        "--prompt",
+        action="append",
+        help="a prompt; repeat for several (None: three built-in prompts)",
     )
-    parser.add_argument("--prompts-file", help="one prompt per non-empty line")
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--top-k", type=int, default=-1)
-    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument(
+        "--prompts-file", help="a file of prompts, one per non-empty line"
+    )
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument(
+        "--max-tokens", type=int, default=32, help="tokens to generate per prompt"
+    )
+    parser.add_argument(
+        "--top-k", type=int, default=-1, help="sample from the k likeliest; -1 = off"
+    )
+    parser.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        help="sample from the smallest set of this probability mass",
+    )
     # --seed is an engine flag and also seeds these requests.
     return EngineArgs.add_cli_args(parser)
 

@@ -22,7 +22,7 @@ from atom.model_engine.scheduler import Scheduler
 from atom.model_engine.sequence import Sequence
 from atom.model_engine.worker import InProcessWorker, WorkerGroup
 from atom.sampling_params import SamplingParams
-from atom.utils.tokenizer import load_tokenizer
+from atom.utils.tokenizer import apply_chat_template, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +100,11 @@ class LLMEngine:
             params = replace(params, seed=seed)
         seq = Sequence(token_ids, params, request_id)
         self.scheduler.add(seq)
-        self.outputs.add(seq)
+        try:
+            self.outputs.add(seq)
+        except BaseException:
+            self.scheduler.abort(seq.request_id)  # no half-added request runs on
+            raise
         return seq.request_id
 
     def abort_request(self, request_id: str) -> None:
@@ -128,13 +132,22 @@ class LLMEngine:
         results = []
         for work in batch.seqs:
             request_id = self.outputs.request_of_seq.get(work.seq_id)
-            if not work.sample or request_id is None:
-                continue
-            output, hit_stop = self.outputs.update(request_id)
-            if hit_stop:
-                self.scheduler.abort(request_id, "stop")
-            results.append(output)
+            if work.sample and request_id is not None:
+                results.append(self._output_of(request_id))
         return results
+
+    def _output_of(self, request_id: str) -> RequestOutput:
+        """The request's output after a step. Detokenizing and stop strings concern
+        this request only, so a failure there finishes it with `error` set."""
+        try:
+            output, hit_stop = self.outputs.update(request_id)
+        except Exception as error:
+            logger.exception("request %s failed after a step", request_id)
+            self.scheduler.abort(request_id, "error")
+            return self.outputs.fail(request_id, f"{type(error).__name__}: {error}")
+        if hit_stop:
+            self.scheduler.abort(request_id, "stop")
+        return output
 
     def generate(
         self,
@@ -164,6 +177,10 @@ class LLMEngine:
         bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm)
         while len(done) < len(ids):
             for out in self.step():
+                if out.error is not None:
+                    for request_id in ids:
+                        self.abort_request(request_id)
+                    raise RuntimeError(f"request {out.request_id}: {out.error}")
                 if out.finished:
                     done[out.request_id] = out
                     bar.update(1)
@@ -194,12 +211,7 @@ class LLMEngine:
         return stats.format_line() if stats is not None else None
 
     def apply_chat_template(self, messages: list[dict]) -> str:
-        if getattr(self.tokenizer, "chat_template", None):
-            return self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True
-            )
-        lines = [f"{m.get('role', 'user')}: {m.get('content', '')}" for m in messages]
-        return "\n".join(lines) + "\nassistant:"
+        return apply_chat_template(self.tokenizer, messages)
 
     def close(self) -> None:
         self.workers.close()

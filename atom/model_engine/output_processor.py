@@ -17,6 +17,8 @@ class RequestOutput:
     new_text: str
     finished: bool
     finish_reason: str | None
+    # Why this request failed (finish_reason "error"); the engine went on.
+    error: str | None = None
 
 
 @dataclass
@@ -70,6 +72,23 @@ class OutputProcessor:
             return ""
         state.prefix_offset, state.read_offset = state.read_offset, len(outputs)
         return window[len(seen) :]
+
+    def fail(self, request_id: str, error: str) -> RequestOutput:
+        """The final output of a request that failed with `error`."""
+        state = self.requests[request_id]
+        seq = state.seq
+        self.drop(request_id)
+        return RequestOutput(
+            request_id=request_id,
+            prompt_token_ids=seq.prompt_token_ids,
+            output_token_ids=list(seq.output_token_ids),
+            new_token_ids=[],
+            text=state.text,
+            new_text="",
+            finished=True,
+            finish_reason="error",
+            error=error,
+        )
 
     def update(self, request_id: str) -> tuple[RequestOutput, bool]:
         """(output, hit_stop_string) for one request after a step."""

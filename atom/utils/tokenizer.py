@@ -15,3 +15,14 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
         return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     finally:
         hf_logging.set_verbosity(verbosity)
+
+
+def apply_chat_template(tokenizer, messages: list[dict]) -> str:
+    """The prompt for `messages`: the tokenizer's chat template, or plain
+    `role: content` lines when it has none."""
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
+    lines = [f"{m.get('role', 'user')}: {m.get('content', '')}" for m in messages]
+    return "\n".join(lines) + "\nassistant:"
