@@ -74,6 +74,7 @@ def _layer_partition(text: str) -> list[int]:
 class EngineArgs:
     model: str = "tiny-kimi-k3"
     tokenizer: str | None = None
+    skip_tokenizer_init: bool = False
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     device: str = "auto"
@@ -107,6 +108,11 @@ class EngineArgs:
         parser.add_argument("--model", default=defaults.model, help="HF id or path")
         parser.add_argument(
             "--tokenizer", default=None, help="tokenizer path (default: --model)"
+        )
+        parser.add_argument(
+            "--skip-tokenizer-init",
+            action="store_true",
+            help="load no tokenizer: prompts must be token ids, outputs are token ids",
         )
         parser.add_argument(
             "-tp",

@@ -2,7 +2,8 @@
 
 The engine process is the head of stage 0: it owns the scheduler and the tokenizer,
 hands each batch to every rank, and applies each batch's one output message. Up to
-pp_size batches are in flight, so every stage has work.
+pp_size batches are in flight, so every stage has work. Under `skip_tokenizer_init`
+there is no tokenizer: prompts are token ids and outputs carry ids and empty text.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from atom.model_engine.scheduler import Scheduler
 from atom.model_engine.sequence import Sequence
 from atom.model_engine.worker import InProcessWorker, WorkerGroup
 from atom.sampling_params import SamplingParams
-from atom.utils.tokenizer import load_tokenizer
+from atom.utils.tokenizer import engine_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +34,9 @@ class LLMEngine:
         if unknown:
             raise TypeError(f"unknown engine arguments: {', '.join(unknown)}")
         self.config = config = Config(model=model, **kwargs)
-        self.tokenizer = load_tokenizer(config.tokenizer or config.model)
+        self.tokenizer = engine_tokenizer(
+            config.model, config.tokenizer, config.skip_tokenizer_init
+        )
         self.model_name = model
         self.max_model_len = config.max_model_len
         num_checkpoints = config.max_num_seqs if config.enable_prefix_caching else 0
@@ -71,7 +74,9 @@ class LLMEngine:
     def _eos_token_id(self) -> int | list[int] | None:
         hf = self.config.hf_config
         eos = hf.get("eos_token_id", hf.text.get("eos_token_id"))
-        return eos if eos is not None else self.tokenizer.eos_token_id
+        if eos is None and self.tokenizer is not None:
+            return self.tokenizer.eos_token_id
+        return eos
 
     # ---- requests ----
     def add_request(
@@ -80,6 +85,9 @@ class LLMEngine:
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
     ) -> str:
+        params = sampling_params or SamplingParams()
+        if self.tokenizer is None:
+            self._check_tokenizer_free(prompt, params)
         if isinstance(prompt, str):
             token_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
         else:
@@ -89,10 +97,25 @@ class LLMEngine:
         vocab = self.config.hf_config.text.get("vocab_size")
         if vocab is not None and any(not 0 <= t < vocab for t in token_ids):
             raise ValueError(f"prompt token ids must lie in [0, {vocab})")
-        seq = Sequence(token_ids, sampling_params or SamplingParams(), request_id)
+        seq = Sequence(token_ids, params, request_id)
         self.scheduler.add(seq)
         self.outputs.add(seq)
         return seq.request_id
+
+    @staticmethod
+    def _check_tokenizer_free(prompt: str | list[int], params: SamplingParams) -> None:
+        if isinstance(prompt, str):
+            raise ValueError(
+                "text prompts need a tokenizer, and this engine runs with "
+                "--skip-tokenizer-init (skip_tokenizer_init=True): send the prompt as "
+                "token ids"
+            )
+        if params.stop:
+            raise ValueError(
+                "stop strings need a tokenizer, and this engine runs with "
+                "--skip-tokenizer-init (skip_tokenizer_init=True): drop stop and end "
+                "on eos or max_tokens"
+            )
 
     def abort_request(self, request_id: str) -> None:
         self.scheduler.abort(request_id)
@@ -185,6 +208,12 @@ class LLMEngine:
         return stats.format_line() if stats is not None else None
 
     def apply_chat_template(self, messages: list[dict]) -> str:
+        if self.tokenizer is None:
+            raise ValueError(
+                "chat messages need a tokenizer, and this engine runs with "
+                "--skip-tokenizer-init (skip_tokenizer_init=True): send token-id "
+                "prompts to the completions API"
+            )
         if getattr(self.tokenizer, "chat_template", None):
             return self.tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=True

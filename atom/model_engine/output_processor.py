@@ -1,4 +1,7 @@
-"""Token ids back to text: incremental detokenization and stop strings."""
+"""Token ids back to text: incremental detokenization and stop strings.
+
+Without a tokenizer (skip_tokenizer_init) outputs carry token ids and empty text.
+"""
 
 from __future__ import annotations
 
@@ -57,7 +60,9 @@ class OutputProcessor:
         outputs = seq.output_token_ids
         new_ids = outputs[state.num_tokens_seen :]
         state.num_tokens_seen = len(outputs)
-        text = self.tokenizer.decode(outputs, skip_special_tokens=True)
+        text = ""
+        if self.tokenizer is not None:
+            text = self.tokenizer.decode(outputs, skip_special_tokens=True)
         if text.endswith("\ufffd") and not seq.is_finished:
             text = state.text  # a multi-byte character is still incomplete
         hit = False

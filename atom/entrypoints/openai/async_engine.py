@@ -78,6 +78,7 @@ class AsyncEngine:
         self.model_name = ""
         self.max_model_len = 0
         self.vocab_size = 0
+        self.has_tokenizer = True
 
     # ---- lifecycle (caller side) ----
 
@@ -155,7 +156,13 @@ class AsyncEngine:
             self._engine = self._engine_factory()
             self.model_name = self._engine.model_name
             self.max_model_len = self._engine.max_model_len
-            self.vocab_size = len(self._engine.tokenizer)
+            tokenizer = self._engine.tokenizer
+            self.has_tokenizer = tokenizer is not None
+            self.vocab_size = (
+                len(tokenizer)
+                if tokenizer is not None
+                else int(self._engine.config.hf_config.text["vocab_size"])
+            )
         except BaseException as error:  # reported to start()
             self._startup_error = error
             self._dead_reason = f"engine failed to start: {error!r}"
