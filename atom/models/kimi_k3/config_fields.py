@@ -27,7 +27,8 @@ from typing import Any
 KDA, MLA = "kda", "mla"
 DENSE, MOE = "dense", "moe"
 
-# transformers' KimiLinearConfig defaults, under atom's field names.
+# transformers' KimiLinearConfig defaults, under atom's field names (moe_layer_freq,
+# which transformers ignores, defaults to 1: every layer from first_k on is MoE).
 TRANSFORMERS_DEFAULTS: dict[str, Any] = {
     "vocab_size": 163840,
     "hidden_size": 2304,
@@ -139,7 +140,7 @@ def read_fields(text: Mapping[str, Any]) -> dict[str, Any]:
         if value is not None:
             fields[name] = value
     for name, default in TRANSFORMERS_DEFAULTS.items():
-        if fields.get(name) is None and not (name == "q_lora_rank" and name in text):
+        if fields.get(name) is None:
             fields[name] = default
     return fields
 
