@@ -16,12 +16,29 @@ DEFAULT_PROMPTS = [
 ]
 
 
-def read_prompts(args: argparse.Namespace) -> list[str]:
+def read_prompts(args: argparse.Namespace) -> list[str] | list[list[int]]:
     prompts = list(args.prompt or [])
     if args.prompts_file:
         with open(args.prompts_file, encoding="utf-8") as file:
             prompts += [line.rstrip("\n") for line in file if line.strip()]
+    if args.skip_tokenizer_init:
+        if not prompts:
+            raise SystemExit(
+                "--skip-tokenizer-init: give token-id prompts, e.g. --prompt '5 77 301'"
+            )
+        return [token_ids(prompt) for prompt in prompts]
     return prompts or list(DEFAULT_PROMPTS)
+
+
+def token_ids(prompt: str) -> list[int]:
+    """'5 77 301' or '5,77,301' -> [5, 77, 301] (prompts without a tokenizer)."""
+    parts = prompt.replace(",", " ").split()
+    if not parts or not all(part.isdigit() for part in parts):
+        raise SystemExit(
+            "--skip-tokenizer-init takes token-id prompts such as '5 77 301', "
+            f"got {prompt!r}"
+        )
+    return [int(part) for part in parts]
 
 
 def run_generate(args: argparse.Namespace) -> None:
@@ -45,7 +62,10 @@ def run_generate(args: argparse.Namespace) -> None:
         elapsed = time.perf_counter() - start
         for prompt, result in zip(prompts, results, strict=True):
             print(f"Prompt: {prompt!r}")
-            print(f"Completion: {result['text']!r}")
+            if args.skip_tokenizer_init:
+                print(f"Completion: {result['token_ids']}")
+            else:
+                print(f"Completion: {result['text']!r}")
         mtp_line = engine.format_mtp_stats_line()
         if mtp_line:
             print(mtp_line)

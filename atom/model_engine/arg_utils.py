@@ -99,6 +99,7 @@ def _capture_sizes(text: str) -> list[int]:
 class EngineArgs:
     model: str = "tiny-kimi-k3"
     tokenizer: str | None = None
+    skip_tokenizer_init: bool = False
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     device: str = "auto"
@@ -139,6 +140,11 @@ class EngineArgs:
             "--tokenizer",
             default=None,
             help="tokenizer folder; None = the --model folder",
+        )
+        parser.add_argument(
+            "--skip-tokenizer-init",
+            action="store_true",
+            help="load no tokenizer: prompts must be token ids, outputs are token ids",
         )
         parser.add_argument(
             "-tp",

@@ -2,7 +2,8 @@
 
 The engine process is the head of stage 0: it owns the scheduler and the tokenizer,
 hands each batch to every rank, and applies each batch's one output message. Up to
-pp_size batches are in flight, so every stage has work.
+pp_size batches are in flight, so every stage has work. Under `skip_tokenizer_init`
+there is no tokenizer: prompts are token ids and outputs carry ids and empty text.
 """
 
 from __future__ import annotations
@@ -22,7 +23,11 @@ from atom.model_engine.scheduler import Scheduler
 from atom.model_engine.sequence import Sequence
 from atom.model_engine.worker import InProcessWorker, WorkerGroup
 from atom.sampling_params import SamplingParams
-from atom.utils.tokenizer import apply_chat_template, load_tokenizer
+from atom.utils.tokenizer import (
+    TEXT_NEEDS_TOKENIZER,
+    apply_chat_template,
+    engine_tokenizer,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +39,9 @@ class LLMEngine:
         if unknown:
             raise TypeError(f"unknown engine arguments: {', '.join(unknown)}")
         self.config = config = Config(model=model, **kwargs)
-        self.tokenizer = load_tokenizer(config.tokenizer or config.model)
+        self.tokenizer = engine_tokenizer(
+            config.model, config.tokenizer, config.skip_tokenizer_init
+        )
         self.model_name = model
         self.max_model_len = config.max_model_len
         num_checkpoints = config.max_num_seqs if config.enable_prefix_caching else 0
@@ -74,7 +81,9 @@ class LLMEngine:
     def _eos_token_id(self) -> int | list[int] | None:
         hf = self.config.hf_config
         eos = hf.get("eos_token_id", hf.text.get("eos_token_id"))
-        return eos if eos is not None else self.tokenizer.eos_token_id
+        if eos is None and self.tokenizer is not None:
+            return self.tokenizer.eos_token_id
+        return eos
 
     # ---- requests ----
     def add_request(
@@ -83,6 +92,9 @@ class LLMEngine:
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
     ) -> str:
+        params = sampling_params or SamplingParams()
+        if self.tokenizer is None:
+            self._check_tokenizer_free(prompt, params)
         if isinstance(prompt, str):
             token_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
         else:
@@ -106,6 +118,17 @@ class LLMEngine:
             self.scheduler.abort(seq.request_id)  # no half-added request runs on
             raise
         return seq.request_id
+
+    @staticmethod
+    def _check_tokenizer_free(prompt: str | list[int], params: SamplingParams) -> None:
+        if isinstance(prompt, str):
+            raise ValueError(TEXT_NEEDS_TOKENIZER)
+        if params.stop:
+            raise ValueError(
+                "stop strings need a tokenizer, and this engine runs with "
+                "--skip-tokenizer-init (skip_tokenizer_init=True): drop stop and end "
+                "on eos or max_tokens"
+            )
 
     def abort_request(self, request_id: str) -> None:
         self.scheduler.abort(request_id)
@@ -211,6 +234,12 @@ class LLMEngine:
         return stats.format_line() if stats is not None else None
 
     def apply_chat_template(self, messages: list[dict]) -> str:
+        if self.tokenizer is None:
+            raise ValueError(
+                "chat messages need a tokenizer, and this engine runs with "
+                "--skip-tokenizer-init (skip_tokenizer_init=True): send token-id "
+                "prompts to the completions API"
+            )
         return apply_chat_template(self.tokenizer, messages)
 
     def close(self) -> None:

@@ -1,4 +1,7 @@
-"""Token ids back to text: incremental detokenization and stop strings."""
+"""Token ids back to text: incremental detokenization and stop strings.
+
+Without a tokenizer (skip_tokenizer_init) outputs carry token ids and empty text.
+"""
 
 from __future__ import annotations
 
@@ -97,7 +100,9 @@ class OutputProcessor:
         outputs = seq.output_token_ids
         new_ids = outputs[state.num_tokens_seen :]
         state.num_tokens_seen = len(outputs)
-        text = state.text + self._new_text(state, outputs)
+        text = state.text
+        if self.tokenizer is not None:
+            text += self._new_text(state, outputs)
         hit = False
         for stop in state.stops:
             cut = text.find(stop, max(0, len(state.text) - len(stop)))

@@ -27,6 +27,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from atom.utils.tokenizer import TEXT_NEEDS_TOKENIZER
+
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -122,6 +124,7 @@ class AsyncEngine:
         self.max_model_len = 0
         self.vocab_size = 0
         self.tokenizer: Any = None
+        self.has_tokenizer = True
 
     # ---- lifecycle (caller side) ----
 
@@ -168,6 +171,8 @@ class AsyncEngine:
 
     async def encode(self, text: str) -> list[int]:
         """Token ids of a prompt, as the engine would tokenize it."""
+        if self.tokenizer is None:
+            raise ValueError(TEXT_NEEDS_TOKENIZER)
         return await self.prepare(self.tokenizer.encode, text, add_special_tokens=False)
 
     async def generate(
@@ -224,7 +229,12 @@ class AsyncEngine:
             self.model_name = self._engine.model_name
             self.max_model_len = self._engine.max_model_len
             self.tokenizer = self._engine.tokenizer
-            self.vocab_size = len(self.tokenizer)
+            self.has_tokenizer = self.tokenizer is not None
+            self.vocab_size = (
+                len(self.tokenizer)
+                if self.tokenizer is not None
+                else int(self._engine.config.hf_config.text["vocab_size"])
+            )
         except BaseException as error:  # reported to start()
             self._startup_error = error
             self._dead_reason = f"engine failed to start: {first_line(error)}"

@@ -197,6 +197,9 @@ class UsageInfo(BaseModel):
 class CompletionChoice(BaseModel):
     index: int
     text: str
+    # The generated ids (in a stream: this chunk's); set when the server runs
+    # without a tokenizer (--skip-tokenizer-init), whose text is always empty.
+    token_ids: list[int] | None = None
     logprobs: None = None
     finish_reason: str | None = None
 

@@ -100,6 +100,11 @@ def render_chat(
 ) -> str:
     """Chat prompt text (run in a preparation thread: templates can be slow)."""
     has_template = chat_template or getattr(tokenizer, "chat_template", None)
+    if tokenizer is None:
+        raise ValueError(
+            "chat messages need a tokenizer, and this server runs with "
+            "--skip-tokenizer-init: send token-id prompts to /v1/completions"
+        )
     if not has_template or (chat_template is None and not template_kwargs):
         return apply_chat_template(tokenizer, messages)
     return tokenizer.apply_chat_template(
@@ -152,7 +157,12 @@ class OpenAIServing:
                 request, self._run_all(prompts, params, request_id)
             )
             choices = [
-                CompletionChoice(index=i, text=o.text, finish_reason=o.finish_reason)
+                CompletionChoice(
+                    index=i,
+                    text=o.text,
+                    token_ids=self._ids(o.output_token_ids),
+                    finish_reason=o.finish_reason,
+                )
                 for i, o in enumerate(outputs)
             ]
             response = CompletionResponse(
@@ -165,8 +175,13 @@ class OpenAIServing:
         if len(prompts) != 1:
             raise APIError(400, "prompt: streaming accepts a single prompt")
 
-        def chunk(text: str, finish_reason: str | None) -> CompletionResponse:
-            choice = CompletionChoice(index=0, text=text, finish_reason=finish_reason)
+        def chunk(output: Any, finish_reason: str | None) -> CompletionResponse:
+            choice = CompletionChoice(
+                index=0,
+                text=output.new_text,
+                token_ids=self._ids(output.new_token_ids),
+                finish_reason=finish_reason,
+            )
             return CompletionResponse(
                 id=request_id, model=self.served_model_name, choices=[choice]
             )
@@ -220,7 +235,8 @@ class OpenAIServing:
             )
             return JSONResponse(response.model_dump())
 
-        def chunk(text: str, finish_reason: str | None) -> ChatCompletionChunk:
+        def chunk(output: Any, finish_reason: str | None) -> ChatCompletionChunk:
+            text = output.new_text
             choice = ChatChunkChoice(
                 index=0,
                 delta={"content": text} if text else {},
@@ -279,6 +295,10 @@ class OpenAIServing:
         except (ValueError, TypeError) as error:
             raise APIError(400, str(error)) from None
 
+    def _ids(self, token_ids: list[int]) -> list[int] | None:
+        """Token ids for a response: only a server without a tokenizer sends them."""
+        return None if self.engine.has_tokenizer else list(token_ids)
+
     def _check_token_ids(self, prompt: str | list[int]) -> None:
         # An id outside the vocabulary would crash the forward pass, taking every
         # other request down with it, so it is refused here.
@@ -331,7 +351,7 @@ class OpenAIServing:
         params: SamplingParams,
         request_id: str,
         opening: list[BaseModel],
-        chunk: Callable[[str, str | None], BaseModel],
+        chunk: Callable[[Any, str | None], BaseModel],
         usage_chunk: Callable[[UsageInfo], BaseModel],
     ) -> StreamingResponse:
         outputs = self.engine.generate(prompt, params, request_id)
@@ -349,15 +369,13 @@ class OpenAIServing:
             try:
                 while True:
                     if output.finished:
-                        final = pending + sse_frame(
-                            chunk(output.new_text, output.finish_reason)
-                        )
+                        final = pending + sse_frame(chunk(output, output.finish_reason))
                         if include_usage:
                             final += sse_frame(usage_chunk(self._usage([output])))
                         yield final + SSE_DONE
                         return
-                    if output.new_text:
-                        yield pending + sse_frame(chunk(output.new_text, None))
+                    if output.new_text or self._ids(output.new_token_ids):
+                        yield pending + sse_frame(chunk(output, None))
                         pending = ""
                     output = await anext(outputs)
             except Exception as error:
