@@ -16,14 +16,24 @@ if TYPE_CHECKING:
 # Later releases that reuse an existing implementation unchanged.
 ARCH_ALIASES: dict[str, str] = {
     "KimiK31ForConditionalGeneration": "KimiK3ForConditionalGeneration",
+    # MiniMax-M3.1 is served as a drop-in for M3; no distinct config is public.
+    "MiniMaxM31SparseForConditionalGeneration": (
+        "MiniMaxM3SparseForConditionalGeneration"
+    ),
+    "MiniMaxM31SparseForCausalLM": "MiniMaxM3SparseForCausalLM",
 }
 
 _KIMI = "atom.models.kimi_k3.model"
+_MINIMAX = "atom.models.minimax_m3.model"
 
 TARGET_MODELS: dict[str, str] = {
     "KimiLinearForCausalLM": f"{_KIMI}:KimiLinearForCausalLM",
     "KimiK3ForCausalLM": f"{_KIMI}:KimiK3ForCausalLM",
     "KimiK3ForConditionalGeneration": f"{_KIMI}:KimiK3ForConditionalGeneration",
+    "MiniMaxM3SparseForCausalLM": f"{_MINIMAX}:MiniMaxM3SparseForCausalLM",
+    "MiniMaxM3SparseForConditionalGeneration": (
+        f"{_MINIMAX}:MiniMaxM3SparseForConditionalGeneration"
+    ),
 }
 
 DRAFT_MODELS: dict[str, str] = {
@@ -44,6 +54,8 @@ pp_speculative_methods: dict[str, frozenset[str]] = {
     "KimiK3ForConditionalGeneration": frozenset({"dspark"}),
     "KimiK3ForCausalLM": frozenset({"dspark"}),
     "KimiLinearForCausalLM": frozenset({"dspark"}),
+    "MiniMaxM3SparseForConditionalGeneration": frozenset({"dspark"}),
+    "MiniMaxM3SparseForCausalLM": frozenset({"dspark"}),
 }
 
 
