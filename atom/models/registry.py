@@ -6,7 +6,10 @@ Classes are named by import path and loaded lazily, so `import atom.config` stay
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from atom.models.kimi_k3_dspark_config import DEFAULT_DRAFT_ARCHITECTURE
 
 if TYPE_CHECKING:
     from torch import nn
@@ -38,6 +41,7 @@ TARGET_MODELS: dict[str, str] = {
 
 DRAFT_MODELS: dict[str, str] = {
     "K3DSparkModel": "atom.models.kimi_k3_dspark:KimiK3DSpark",
+    "Qwen3DSparkModel": "atom.models.qwen3_dspark:Qwen3DSpark",
 }
 
 # Whether each speculative method's draft shares the target's embedding. Only sharing
@@ -96,6 +100,21 @@ def get_model_class(arch: str) -> type[nn.Module]:
 
 def get_draft_model_class(arch: str) -> type[nn.Module]:
     return _load(DRAFT_MODELS, arch, "draft model")
+
+
+def draft_architecture(draft_config: Mapping[str, Any]) -> str:
+    """The draft checkpoint's architecture (Kimi-K3 DSpark exports may omit it)."""
+    archs = draft_config.get("architectures") or []
+    return archs[0] if archs else DEFAULT_DRAFT_ARCHITECTURE
+
+
+def draft_tap_ids(draft_config: Mapping[str, Any]) -> list[int]:
+    """The target layers a draft taps, read and validated by its own config class.
+
+    Every stage needs them for the tap relay; only the last stage builds the draft.
+    """
+    draft_cls = get_draft_model_class(draft_architecture(draft_config))
+    return list(draft_cls.config_class.from_hf(draft_config).target_layer_ids)
 
 
 def serves_pp_speculation(config: Config) -> bool:
