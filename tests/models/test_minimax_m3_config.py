@@ -22,7 +22,8 @@ from atom.models.minimax_m3.model import (
 )
 from atom.models.tiny import resolve_model_path
 from atom.models.tiny.minimax import minimax_text_config
-from atom.models.utils import PPMissingLayer
+from atom.models.utils import PPMissingLayer, get_pp_indices
+from atom.spec_decode.pp_aux_relay import PPAuxRelay
 
 TARGET, DRAFT = "tiny-minimax-m3", "tiny-minimax-m3-dspark"
 
@@ -181,3 +182,37 @@ def test_router_stays_fp32_in_a_bf16_model():
     moe = model.layers[2].block_sparse_moe
     assert moe.gate.weight.dtype == torch.float32
     assert moe.experts.w13.dtype == torch.bfloat16
+
+
+class _TapLayer(torch.nn.Module):
+    def aux_hidden_state(self, output):
+        return output
+
+
+@pytest.mark.parametrize(
+    "pp, expected",
+    [
+        (2, [([1, 12, 23], [], [1, 12, 23]), ([35, 46, 57], [1, 12, 23], [])]),
+        (
+            4,
+            [
+                ([1, 12], [], [1, 12]),
+                ([23], [1, 12], [1, 12, 23]),
+                ([35], [1, 12, 23], [1, 12, 23, 35]),
+                ([46, 57], [1, 12, 23, 35], []),
+            ],
+        ),
+    ],
+)
+def test_real_minimax_tap_relay_per_stage(pp, expected):
+    """docs/pp_dspark.md's stage table: MiniMax-M3's 60 layers and the draft's taps
+    [1, 12, 23, 35, 46, 57], as the relay derives (own, incoming, outgoing)."""
+    taps = [1, 12, 23, 35, 46, 57]
+    for stage, want in enumerate(expected):
+        start, end = get_pp_indices(60, stage, pp)
+        base = torch.nn.Module()
+        base.layers = torch.nn.ModuleList(
+            _TapLayer() if start <= i < end else PPMissingLayer() for i in range(60)
+        )
+        relay = PPAuxRelay(base, taps, hidden_size=8, max_num_tokens=1)
+        assert (relay.own, relay.incoming, relay.outgoing) == want
