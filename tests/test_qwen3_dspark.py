@@ -15,15 +15,18 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from atom.config import Config, load_hf_config
-from atom.distributed.parallel_state import build_parallel_state
+from atom.distributed.parallel_state import build_parallel_state, get_pp_group
 from atom.model_engine.cache_engine import CacheEngine
+from atom.model_engine.model_runner import ModelRunner
 from atom.model_loader.loader import WeightLoadingError, load_weights
+from atom.models.minimax_m3 import model as minimax_model
 from atom.models.qwen3_dspark import Qwen3DSpark
 from atom.models.registry import draft_tap_ids, get_model_class
 from atom.models.tiny import resolve_model_path
 from atom.models.tiny.configs import TOKEN_IDS
 from atom.models.utils import PPMissingLayer, language_model_of
 from atom.spec_decode.drafter import Drafter, check_shared_embedding
+from tests.e2e.pp_probe import one_torch_thread
 
 TARGET, DRAFT, NO_EMBED = (
     "tiny-minimax-m3",
@@ -31,6 +34,14 @@ TARGET, DRAFT, NO_EMBED = (
     "tiny-minimax-m3-dspark-no-embed",
 )
 T, BLOCK_SIZE, WINDOW = 4, 4, 8
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_torch_thread():
+    # Tiny ops gain nothing from threads; on a loaded machine OpenMP spinning made
+    # these forwards up to 100x slower.
+    with one_torch_thread():
+        yield
 
 
 def make_config(draft: str = DRAFT, **kwargs) -> Config:
@@ -268,3 +279,23 @@ def test_block_pass_matches_the_reference_and_honours_the_window(pp1):
         weights, taps, context_len, anchor, embed, head, WINDOW
     )
     torch.testing.assert_close(block(), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_reverted_placement_is_refused_at_start_up(monkeypatch):
+    """With MiniMax's last-stage table reverted to a placeholder, start-up stops at
+    check_shared_embedding's TypeError, not at an AttributeError on the way."""
+    config = make_config(
+        NO_EMBED, pipeline_parallel_size=2, device="cpu", num_kvcache_blocks=8
+    )
+    cpu = torch.device("cpu")
+    with build_parallel_state(pp_rank=1, pp_size=2):
+        runner = ModelRunner(config, cpu)  # the real placement builds and binds
+        base = language_model_of(runner.model).model
+        assert runner.drafter.model.embed_tokens is base.embed_tokens
+        monkeypatch.setattr(
+            minimax_model, "pp_holds_embedding", lambda c: get_pp_group().is_first_rank
+        )
+        with pytest.raises(TypeError) as error:
+            ModelRunner(config, cpu)
+    message = str(error.value)
+    assert "pp_speculative_methods" in message and "pp_holds_embedding" in message

@@ -15,6 +15,7 @@ import torch
 
 from atom.models.tiny.minimax import minimax_text_config
 from atom.models.utils import language_model_of
+from tests.e2e.pp_probe import one_torch_thread
 from tests.models.kimi_helpers import bind_caches, build_target, logits_of, work
 
 transformers = pytest.importorskip("transformers")
@@ -25,6 +26,14 @@ PROMPT = [(37 * i + 11) % 1000 for i in range(40)]
 OTHER = [(53 * i + 5) % 1000 for i in range(23)]
 NEW_TOKENS = 24
 DENSE_TOPK = 64  # more blocks than any prompt here has
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_torch_thread():
+    # Tiny ops gain nothing from threads; on a loaded machine OpenMP spinning made
+    # these forwards up to 100x slower.
+    with one_torch_thread():
+        yield
 
 
 def reference_config(text: dict):
@@ -124,6 +133,17 @@ def test_prefill_logits_match_for_a_mixed_batch(folders, atom_model):
     torch.testing.assert_close(logits[: len(PROMPT)], expected, **TOL)
     expected = reference(torch.tensor([OTHER])).logits[0]
     torch.testing.assert_close(logits[len(PROMPT) :], expected, **TOL)
+
+
+@torch.no_grad()
+def test_chunked_prefill_matches(folders, atom_model):
+    """A chunk after cached rows reads keys (and index keys) back from the pages."""
+    reference, _, _ = folders
+    expected = reference(torch.tensor([PROMPT])).logits[0]
+    bind_caches(atom_model)
+    logits_of(atom_model, [work(PROMPT[:17])])
+    chunk = logits_of(atom_model, [work(PROMPT[17:], 17)])
+    torch.testing.assert_close(chunk, expected[17:], **TOL)
 
 
 @torch.no_grad()
