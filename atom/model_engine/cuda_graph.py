@@ -241,22 +241,20 @@ class BlockPassGraphs:
         return anchors, positions, tables.view(size, self.table_width)
 
     def run(
-        self, anchors: list[int], positions: list[int], tables: list[list[int]]
+        self, anchors: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor
     ) -> torch.Tensor | None:
         """Base logits [B, T, V] of the real sequences, or None when no capture
-        covers the batch (run it eagerly)."""
-        count = len(anchors)
-        if count > self.sizes[-1] or max(map(len, tables)) > self.table_width:
+        covers the batch (run it eagerly). Inputs are device tensors."""
+        count, width = tables.shape
+        if count > self.sizes[-1] or width > self.table_width:
             return None
         size = next(s for s in self.sizes if s >= count)
         graph, packed, logits = self.captures[size]
-        extra = size - count
-        rows = [t + [0] * (self.table_width - len(t)) for t in tables]
-        host = torch.tensor(
-            anchors + [0] * extra + positions + [0] * extra
-            + [b for row in rows for b in row] + [0] * (extra * self.table_width),
-            dtype=torch.long,
-        )  # fmt: skip
-        packed.copy_(host, non_blocking=True)
+        static_anchors, static_positions, static_tables = self._views(packed, size)
+        static_anchors[:count].copy_(anchors)
+        static_positions[:count].copy_(positions)
+        static_positions[count:].zero_()  # padding rows see no context
+        static_tables.zero_()
+        static_tables[:count, :width].copy_(tables)
         graph.replay()
         return logits[:count]

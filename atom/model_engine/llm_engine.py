@@ -8,9 +8,10 @@ pp_size batches are in flight, so every stage has work.
 from __future__ import annotations
 
 import logging
+import random
 import time
 from collections import deque
-from dataclasses import fields
+from dataclasses import fields, replace
 
 from tqdm import tqdm
 
@@ -56,6 +57,8 @@ class LLMEngine:
             num_state_checkpoints=num_checkpoints,
         )
         self.outputs = OutputProcessor(self.tokenizer)
+        # Seeds of requests that come without one; Config.seed makes them repeatable.
+        self.request_seeds = random.Random(config.seed)
         self.in_flight: deque[ScheduledBatch] = deque()
         self.max_in_flight = config.pipeline_parallel_size
         logger.info(
@@ -89,7 +92,13 @@ class LLMEngine:
         vocab = self.config.hf_config.text.get("vocab_size")
         if vocab is not None and any(not 0 <= t < vocab for t in token_ids):
             raise ValueError(f"prompt token ids must lie in [0, {vocab})")
-        seq = Sequence(token_ids, sampling_params or SamplingParams(), request_id)
+        params = sampling_params or SamplingParams()
+        if params.seed is None:
+            # Sampling draws from uniforms keyed by the request's seed, so every
+            # request needs one; the caller's object is left as it was.
+            seed = self.request_seeds.getrandbits(63)
+            params = replace(params, seed=seed)
+        seq = Sequence(token_ids, params, request_id)
         self.scheduler.add(seq)
         self.outputs.add(seq)
         return seq.request_id

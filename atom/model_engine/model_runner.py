@@ -2,19 +2,19 @@
 
 Stage order inside `execute`: commit the previous verify's KDA rows and fork prefix
 states -> receive the previous stage's payload -> forward -> save state checkpoints ->
-send to the next stage, or (last stage) write the draft's context KV, choose tokens,
-propose the next drafts and return the one BatchOutput of this batch.
+send to the next stage, or (last stage) write the draft's context KV, let the step
+sampler choose tokens and propose the next drafts, and return the one BatchOutput of
+this batch.
 """
 
 from __future__ import annotations
 
 import logging
-from itertools import accumulate
 
 import torch
 import torch.distributed as dist
 
-from atom.config import Config, is_context_only_producer
+from atom.config import Config
 from atom.distributed.parallel_state import get_pp_group, get_tp_group
 from atom.distributed.pp_comm import recv_tensor_dict, send_tensor_dict
 from atom.model_engine.batch import BatchOutput, ScheduledBatch, SeqWork
@@ -24,6 +24,7 @@ from atom.model_engine.memory_ledger import log_memory_ledger
 from atom.model_engine.model_inputs import prepare_inputs
 from atom.model_engine.step_sampler import StepSampler
 from atom.model_loader.loader import load_weights
+from atom.model_ops.sampling_metadata import SamplingMetadata
 from atom.models.registry import check_pp_support, draft_tap_ids, get_model_class
 from atom.models.utils import IntermediateTensors, language_model_of
 from atom.spec_decode.drafter import Drafter
@@ -48,7 +49,8 @@ class ModelRunner:
         self.model = self._build_model()
         self.drafter = self._build_drafter()
         self.relay = self._build_relay()
-        self.step_sampler = StepSampler(device)
+        proposer = self.drafter if self.drafter and self.drafter.will_propose else None
+        self.step_sampler = StepSampler(proposer)
         self.cache: CacheEngine | None = None
         self.graphs: DecodeGraphs | None = None
         self.memory_ledger = log_memory_ledger(self.model, self.drafter)
@@ -247,38 +249,9 @@ class ModelRunner:
             if self.relay is not None:
                 self.relay.absorb(taps_in, self.drafter.tap_buffers, num_tokens)
             self.drafter.precompute_context_kv(positions, slot_mapping, num_tokens)
-        starts = [0, *accumulate(work.num_rows for work in batch.seqs)]
-        rows = StepSampler.rows_to_score(batch.seqs, starts)
-        if not rows:
+        if not batch.produces_output:
             return None
-        logits = self.model.compute_logits(hidden[rows])
-        seq_ids, emitted, accepted = self.step_sampler.choose(batch.seqs, logits)
-        drafts = self._propose(batch.seqs, emitted, accepted)
-        return BatchOutput(batch.batch_id, seq_ids, emitted, accepted, drafts)
-
-    def _propose(
-        self, seqs: list[SeqWork], emitted: list[list[int]], accepted: list[int]
-    ) -> list[list[int]]:
-        sampled = [work for work in seqs if work.sample]
-        if self.drafter is None or is_context_only_producer(self.config):
-            return [[] for _ in sampled]
-        anchors = [tokens[-1] for tokens in emitted]
-        # The anchor is committed right after the last accepted row.
-        positions = [
-            w.context_len + (a + 1 if w.num_spec_tokens else len(w.token_ids))
-            for w, a in zip(sampled, accepted)
-        ]
-        gens = [self.step_sampler.generator(w) for w in sampled]
-        draft_ids, draft_probs = self.drafter.propose(
-            anchors,
-            positions,
-            [w.block_table for w in sampled],
-            [w.temperature for w in sampled],
-            [w.top_k for w in sampled],
-            [w.top_p for w in sampled],
-            gens,
-        )
-        if draft_probs is not None:
-            for work, probs in zip(sampled, draft_probs):
-                self.step_sampler.draft_probs[work.seq_id] = probs.float().cpu()
-        return draft_ids.tolist()
+        sampling = SamplingMetadata.from_works(batch.seqs, self.device)
+        logits = self.model.compute_logits(hidden[sampling.logit_rows])
+        choices = self.step_sampler.step(logits, sampling)
+        return BatchOutput.from_choices(batch.batch_id, choices)

@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from atom import LLMEngine
+from atom.model_ops.sampling_metadata import SamplingMetadata
 from atom.models.tiny.configs import TOKEN_IDS
+from atom.spec_decode.draft_output import DraftOutput
 
 # target -> its fitted tiny draft
 PAIRS = {
@@ -74,16 +76,16 @@ def force_drafts(
     vocab = drafter.model.vocab_size
     proposed: list[list[int]] = []
 
-    def propose(anchor_ids, anchor_positions, block_tables, *sampling):
-        drafts, probs = original(anchor_ids, anchor_positions, block_tables, *sampling)
-        forced = drafts.clone()
+    def propose(anchor_ids, anchor_positions, block_tables, sampling):
+        drafts = original(anchor_ids, anchor_positions, block_tables, sampling)
+        forced = drafts.ids.clone()
         for row, (anchor, position) in enumerate(zip(anchor_ids, anchor_positions)):
             sequence = _reference_of(references, int(anchor), int(position))
             for k in range(forced.shape[1]):
                 right = sequence[int(position) + 1 + k]
                 forced[row, k] = right if k < num_right else (right + 1) % vocab
             proposed.append(forced[row].tolist())
-        return forced, probs
+        return DraftOutput(forced, drafts.probs)
 
     drafter.propose = propose
     return proposed
@@ -99,3 +101,21 @@ def _reference_of(references: list[list[int]], anchor: int, position: int):
             "reference sequences; use prompts that tell requests apart"
         )
     return matches[0]
+
+
+def propose_on_host(
+    drafter,
+    anchors: list[int],
+    positions: list[int],
+    block_tables: list[list[int]],
+    temperatures: list[float],
+    top_ps: list[float] | float = 1.0,
+    seeds: list[int] | None = None,
+) -> DraftOutput:
+    """`drafter.propose` from host lists (greedy rows need no seed)."""
+    sampling = SamplingMetadata.build(temperatures, top_ps=top_ps, seeds=seeds)
+    width = max(len(table) for table in block_tables)
+    tables = [table + [0] * (width - len(table)) for table in block_tables]
+    return drafter.propose(
+        torch.tensor(anchors), torch.tensor(positions), torch.tensor(tables), sampling
+    )
