@@ -14,6 +14,7 @@ Everything runs on tensors, with no host synchronisation, for all sequences at o
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def select_key_blocks(
@@ -37,7 +38,7 @@ def select_key_blocks(
     scores = scores.masked_fill(~visible.unsqueeze(1), float("-inf"))
     pad = num_blocks * block_size - num_keys
     if pad:
-        scores = torch.nn.functional.pad(scores, (0, pad), value=float("-inf"))
+        scores = F.pad(scores, (0, pad), value=float("-inf"))
     block_scores = scores.unflatten(-1, (num_blocks, block_size)).amax(dim=-1)
     blocks = torch.arange(num_blocks, device=index_k.device)
     own = (query_positions // block_size).unsqueeze(-1)

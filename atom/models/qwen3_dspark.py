@@ -58,9 +58,8 @@ class Qwen3DSparkAttention(nn.Module):
                 (config.num_key_value_heads, head_dim),
             ],
         )
-        self.num_heads, self.num_kv_heads = (
-            len(heads) for heads in self.qkv_proj.local_heads[:2]
-        )
+        self.num_heads = len(self.qkv_proj.local_heads[0])
+        self.num_kv_heads = len(self.qkv_proj.local_heads[1])
         self.head_dim = head_dim
         self.o_proj = RowParallelLinear(
             config.num_attention_heads * head_dim, config.hidden_size

@@ -13,7 +13,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from atom.distributed.parallel_state import get_tp_group
 from atom.model_ops.block_sparse import block_sparse_visibility
 from atom.model_ops.layernorm import GemmaRMSNorm
 from atom.model_ops.linear import HeadParallelLinear, RowParallelLinear
@@ -75,10 +74,7 @@ class MiniMaxM3Attention(nn.Module):
             self.index_q_norm = GemmaRMSNorm(self.indexer.head_dim, eps=eps)
             self.index_k_norm = GemmaRMSNorm(self.indexer.head_dim, eps=eps)
         self.rotary = PartialRotary(config.rotary_dim, config.rope_theta)
-        # o_proj rows follow q's heads; the reduction is the layer's only all-reduce.
-        tp = get_tp_group().world_size
-        if self.num_heads * tp != heads:
-            raise ValueError(f"num_attention_heads={heads} does not split over tp={tp}")
+        # Rows follow q's heads, which the config guarantees split evenly over TP.
         self.o_proj = RowParallelLinear(heads * head_dim, hidden)
         # The CacheEngine binds `kv_cache` [num_blocks, block_size, kv_cache_dim].
         self.kv_width = self.num_kv_heads * head_dim
