@@ -25,7 +25,7 @@ from atom.model_engine.model_inputs import prepare_inputs
 from atom.model_engine.step_sampler import StepSampler
 from atom.model_loader.loader import load_weights
 from atom.model_ops.sampling_metadata import SamplingMetadata
-from atom.models.registry import check_pp_support, get_model_class
+from atom.models.registry import check_pp_support, draft_tap_ids, get_model_class
 from atom.models.utils import IntermediateTensors, language_model_of
 from atom.spec_decode.drafter import Drafter
 from atom.spec_decode.pp_aux_relay import AUX_KEY, PPAuxRelay
@@ -84,10 +84,9 @@ class ModelRunner:
         spec = self.config.speculative_config
         if spec is None or self.pp.world_size == 1:
             return None
-        draft_cfg = spec.draft_hf_config
         return PPAuxRelay(
             language_model_of(self.model).model,
-            list(draft_cfg["target_layer_ids"]),
+            draft_tap_ids(spec.draft_hf_config),
             int(self.config.hf_config.text["hidden_size"]),
             self.config.max_num_batched_tokens,
             self.device,

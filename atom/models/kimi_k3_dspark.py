@@ -22,17 +22,17 @@ from torch import nn
 
 from atom.distributed.parallel_state import get_tp_group
 from atom.model_ops.activation import SiluAndMul
+from atom.model_ops.gated_mlp import GatedMLP
 from atom.model_ops.layernorm import RMSNorm
 from atom.model_ops.linear import (
     ColumnParallelLinear,
-    MergedColumnParallelLinear,
     ReplicatedLinear,
     RowParallelLinear,
     divide,
 )
 from atom.model_ops.paged_mla import gather_kv, latent_attention, write_kv
 from atom.model_ops.rotary_embedding import RotaryEmbedding
-from atom.models.dspark_base import SharedEmbeddingDraft
+from atom.models.dspark_base import MarkovHead, SharedEmbeddingDraft
 from atom.models.kimi_k3_dspark_config import DSparkDraftConfig
 from atom.utils.forward_context import ForwardContext, set_forward_context
 
@@ -140,17 +140,6 @@ class DSparkAttention(nn.Module):
         return self.o_proj(o.to(x.dtype))
 
 
-class DSparkMLP(nn.Module):
-    def __init__(self, hidden: int, inner: int) -> None:
-        super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(hidden, [inner, inner])
-        self.act = SiluAndMul()
-        self.down_proj = RowParallelLinear(inner, hidden)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
-
-
 class DSparkDecoderLayer(nn.Module):
     def __init__(self, config: DSparkDraftConfig, prefix: str) -> None:
         super().__init__()
@@ -158,7 +147,7 @@ class DSparkDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, eps=eps)
         self.self_attn = DSparkAttention(config, f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=eps)
-        self.mlp = DSparkMLP(config.hidden_size, config.intermediate_size)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, SiluAndMul())
 
     def forward(
         self,
@@ -173,22 +162,6 @@ class DSparkDecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class MarkovHead(nn.Module):
-    """Low-rank first-order transition bias: bias(prev) = W1[prev] @ W2^T (fp32)."""
-
-    def __init__(self, vocab_size: int, rank: int) -> None:
-        super().__init__()
-        # Both tables are [V, r]; replicated, since a sharded W2 would need a gather
-        # per drafted position.
-        self.markov_w1 = ReplicatedLinear(rank, vocab_size)
-        self.markov_w2 = ReplicatedLinear(rank, vocab_size)
-
-    def bias(self, prev_ids: torch.Tensor) -> torch.Tensor:
-        """[B] previous tokens -> [B, V] fp32 logit bias."""
-        w1 = self.markov_w1.weight[prev_ids].float()
-        return w1 @ self.markov_w2.weight.float().t()
-
-
 class KimiK3DSpark(SharedEmbeddingDraft):
     """K3DSparkModel: context projection, MLA + SwiGLU layers, final norm, Markov head.
 
@@ -198,6 +171,7 @@ class KimiK3DSpark(SharedEmbeddingDraft):
 
     # One plain class-level list, never rebound or mutated per stage (F7).
     skip_weight_prefixes = ["confidence_head.", "embed_tokens.", "lm_head."]
+    config_class = DSparkDraftConfig
     packed_modules_mapping = {
         "gate_proj": ("gate_up_proj", 0),
         "up_proj": ("gate_up_proj", 1),
@@ -209,7 +183,7 @@ class KimiK3DSpark(SharedEmbeddingDraft):
         target_config: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__()
-        config = DSparkDraftConfig.from_hf(draft_config)
+        config = self.config_class.from_hf(draft_config)
         if target_config is not None:
             config.validate_against_target(target_config)
         self.config = config

@@ -20,8 +20,7 @@ from atom.distributed.parallel_state import get_pp_group, get_tp_group
 from atom.model_engine.cuda_graph import BlockPassGraphs
 from atom.model_loader.loader import LoadReport, load_weights, parameter_bytes
 from atom.model_ops.sampling_metadata import SamplingMetadata
-from atom.models.kimi_k3_dspark_config import DEFAULT_DRAFT_ARCHITECTURE
-from atom.models.registry import get_draft_model_class
+from atom.models.registry import draft_architecture, get_draft_model_class
 from atom.models.utils import PPMissingLayer, language_model_of
 from atom.spec_decode.aux_capture import TapCapture, allocate_tap_buffers
 from atom.spec_decode.draft_output import DraftOutput
@@ -88,8 +87,7 @@ class Drafter:
         self.draft_hf_config = spec.draft_hf_config
         self.num_speculative_tokens = spec.num_speculative_tokens
         self.will_propose = not is_context_only_producer(config)
-        archs = self.draft_hf_config.get("architectures") or []
-        self.architecture = archs[0] if archs else DEFAULT_DRAFT_ARCHITECTURE
+        self.architecture = draft_architecture(self.draft_hf_config)
         self.model: nn.Module | None = None
         self.load_report: LoadReport | None = None
         self.tap_ids: list[int] = []
@@ -123,7 +121,8 @@ class Drafter:
 
     def _arm_aux_capture(self, target_base: nn.Module) -> None:
         self.tap_ids = list(self.model.tap_ids)
-        weight = self.model.context_proj.weight
+        # Tap buffers take the draft's device and dtype.
+        weight = next(self.model.parameters())
         self.tap_buffers = allocate_tap_buffers(
             len(self.tap_ids),
             self.config.max_num_batched_tokens,
@@ -141,6 +140,14 @@ class Drafter:
         self.capture = TapCapture(target_base, buffers)
 
     def _log_startup(self) -> None:
+        trained = getattr(self.model.config, "block_size", None)
+        if trained is not None and trained != self.num_speculative_tokens:
+            logger.warning(
+                "%s was trained on blocks of %d rows; drafting %d per step",
+                self.architecture,
+                trained,
+                self.num_speculative_tokens,
+            )
         relayed = [t for t in self.tap_ids if t not in self.resident_taps]
         sharing = (
             "embedding + lm_head shared with the target"

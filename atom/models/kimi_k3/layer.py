@@ -20,7 +20,7 @@ from atom.model_ops.linear import ReplicatedLinear
 from atom.models.kimi_k3.config import KimiTextConfig
 from atom.models.kimi_k3.kda import KimiDeltaAttention
 from atom.models.kimi_k3.mla import KimiMLAttention
-from atom.models.kimi_k3.moe import GatedMLP, KimiMoE
+from atom.models.kimi_k3.moe import KimiMoE, dense_mlp
 
 LayerOutput = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 
@@ -39,7 +39,7 @@ class KimiDecoderLayer(nn.Module):
         if config.is_moe_layer(layer_idx):
             self.block_sparse_moe = KimiMoE(config)
         else:
-            self.mlp = GatedMLP(config, config.intermediate_size)
+            self.mlp = dense_mlp(config, config.intermediate_size)
         self.input_layernorm = RMSNorm(hidden, eps=eps)
         self.post_attention_layernorm = RMSNorm(hidden, eps=eps)
         self.eps = eps
