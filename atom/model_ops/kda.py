@@ -242,7 +242,8 @@ def _decayed_scores(
     for start in range(0, length, _SUB_BLOCK):
         block = slice(start, min(start + _SUB_BLOCK, length))
         size = block.stop - start
-        diff = cum_g[:, block, None, :] - cum_g[:, None, block, :]
+        # Differences inside a sub-block are small: fp32 holds them exactly enough.
+        diff = (cum_g[:, block, None, :] - cum_g[:, None, block, :]).float()
         causal = torch.ones(size, size, dtype=torch.bool, device=rows.device).tril()
         decay = _decay(diff.masked_fill(~causal[None, :, :, None], float("-inf")))
         scores[:, block, block] = torch.einsum(
