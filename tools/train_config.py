@@ -50,7 +50,7 @@ PRESETS: dict[str, TrainConfig] = {
             steps=1500, seqs_per_step=4, seq_len=256, lr=3e-3, warmup_steps=60
         ),
         linear=TargetSettings(
-            steps=300, seqs_per_step=4, seq_len=256, lr=3e-3, warmup_steps=30
+            steps=1000, seqs_per_step=4, seq_len=256, lr=3e-3, warmup_steps=60
         ),
         draft=DraftSettings(
             prompts=192, prompt_len=(16, 48), new_tokens=96, sample_temperature=0.7,
