@@ -18,6 +18,12 @@ DTYPES = {
 }
 
 
+# One fact, two spellings: transformers 5 writes `dtype` (and, for Kimi Linear,
+# `model_max_length`); older writers and the published checkpoints the first name.
+DTYPE_FIELDS = ("torch_dtype", "dtype")
+CONTEXT_LENGTH_FIELDS = ("max_position_embeddings", "model_max_length")
+
+
 class HFConfig(dict):
     """Attribute view of a checkpoint's config.json (nested dicts become HFConfig)."""
 
@@ -30,6 +36,10 @@ class HFConfig(dict):
 
     def __setattr__(self, name: str, value: Any) -> None:
         self[name] = value
+
+    def first_of(self, names: tuple[str, ...]) -> Any:
+        """The value of the first of `names` that is set (None if none is)."""
+        return next((self[n] for n in names if self.get(n) is not None), None)
 
     @property
     def text(self) -> HFConfig:
@@ -122,6 +132,7 @@ class SpeculativeConfig:
 class Config:
     model: str = "tiny-kimi-k3"
     tokenizer: str | None = None
+    skip_tokenizer_init: bool = False
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     device: str = "auto"
@@ -134,7 +145,10 @@ class Config:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
-    enforce_eager: bool = True
+    # Capture decode steps as CUDA graphs (CUDA only); True runs every step eagerly.
+    enforce_eager: bool = False
+    # Batch sizes to capture; None: the default ladder up to max_num_seqs.
+    cudagraph_capture_sizes: list[int] | None = None
     kv_role: str = "none"
     pp_layer_partition: list[int] | None = None
     seed: int = 0
@@ -180,7 +194,7 @@ class Config:
             )
         text = self.hf_config.text
         if self.max_model_len is None:
-            self.max_model_len = int(text.get("max_position_embeddings", 4096))
+            self.max_model_len = int(text.first_of(CONTEXT_LENGTH_FIELDS) or 4096)
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -209,8 +223,10 @@ class Config:
     def torch_dtype(self) -> torch.dtype:
         if self.dtype != "auto":
             return DTYPES[self.dtype]
-        name = self.hf_config.text.get("torch_dtype") or self.hf_config.get(
-            "torch_dtype", "bfloat16"
+        name = (
+            self.hf_config.text.first_of(DTYPE_FIELDS)
+            or self.hf_config.first_of(DTYPE_FIELDS)
+            or "bfloat16"
         )
         return DTYPES.get(name, torch.bfloat16)
 

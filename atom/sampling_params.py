@@ -5,6 +5,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+# Seeds are signed 64-bit integers in the sampler; negative ones are refused too, so
+# that one rule holds everywhere: an integer in [0, 2**63 - 1].
+MAX_SEED = 2**63 - 1
+SEED_RULE = f"an integer in [0, 2**63 - 1] = [0, {MAX_SEED}]"
+
 
 def _is_int(value: object) -> bool:
     # bool is an int subclass, but `top_k=True` is a caller bug, not a value.
@@ -68,9 +73,15 @@ class SamplingParams:
         self._check_stop()
         if self.seed is not None and not _is_int(self.seed):
             raise TypeError(
-                f"SamplingParams.seed must be an int or None, got {self.seed!r}"
+                f"SamplingParams.seed must be {SEED_RULE} or None, got {self.seed!r}"
             )
-        if not _is_int(self.n) or self.n != 1:
+        if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
+            raise ValueError(
+                f"SamplingParams.seed must be {SEED_RULE}, got {self.seed}"
+            )
+        if not _is_int(self.n):
+            raise TypeError(f"SamplingParams.n must be an int, got {self.n!r}")
+        if self.n != 1:
             raise ValueError(f"SamplingParams.n: only n=1 is supported, got {self.n!r}")
 
     def _check_stop(self) -> None:

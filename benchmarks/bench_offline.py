@@ -9,6 +9,13 @@ memory ledger is in the log. Prompts are cut from the tiny corpus's held-out exc
         --draft-model tiny-kimi-k3-dspark --num-prompts 16 --output-len 64
     python benchmarks/bench_offline.py --scaled-k3 1024 --layouts 1x1 --device cuda
 
+`--batch-sizes 1,32` instead measures batch scaling: target-only, one engine in this
+process (pp1 x tp1), each batch size in turn, printing tok/s and the ratio to the
+first size (issue 10's CPU target: tiny-kimi-k3 at batch 32 >= 12x batch 1):
+
+    python benchmarks/bench_offline.py --model tiny-kimi-k3 --device cpu \
+        --batch-sizes 1,32
+
 `--scaled-k3 H` builds a K3-layout checkpoint with hidden size H (same layer schedule,
 AttnRes, latent MoE and KDA/MLA mix as tiny-kimi-k3, widths scaled) into a temp folder.
 """
@@ -107,6 +114,43 @@ def run(
     return line + extra, [o["token_ids"] for o in outputs]
 
 
+def batch_scaling(args: argparse.Namespace, model: str) -> None:
+    """Target-only tok/s at each batch size, on one in-process engine."""
+    sizes = [int(b) for b in args.batch_sizes.split(",")]
+    llm = LLMEngine(
+        model,
+        device=args.device,
+        dtype=args.dtype,
+        max_num_seqs=max(sizes),
+        # Each size reuses the first prompts; a cache hit would skip their prefill.
+        enable_prefix_caching=False,
+    )
+    vocab = int(llm.config.hf_config.text["vocab_size"])
+    prompts = random_prompts(max(sizes), args.input_len, vocab, seed=0)
+    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    llm.generate(prompts[:2], params)  # warm-up
+    print(
+        f"batch scaling, pp1 x tp1 target-only, input {args.input_len}, "
+        f"output {args.output_len}:"
+    )
+    first_rate = None
+    try:
+        for size in sizes:
+            start = time.perf_counter()
+            outputs = llm.generate(prompts[:size], params)
+            elapsed = time.perf_counter() - start
+            tokens = sum(len(o["token_ids"]) for o in outputs)
+            rate = tokens / elapsed
+            first_rate = first_rate or rate
+            print(
+                f"batch {size:4d}: {tokens} tokens in {elapsed:.2f} s = "
+                f"{rate:.1f} tok/s ({rate / first_rate:.2f}x batch {sizes[0]})",
+                flush=True,
+            )
+    finally:
+        llm.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="tiny-kimi-k3")
@@ -120,12 +164,19 @@ def main() -> None:
     parser.add_argument("--prompts", choices=["corpus", "random"], default="corpus")
     parser.add_argument("--input-len", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument(
+        "--batch-sizes",
+        help="comma list: measure target-only batch scaling instead of layouts",
+    )
     args = parser.parse_args()
     model = args.model
     with tempfile.TemporaryDirectory() as tmp:
         if args.scaled_k3:
             dtype = "bfloat16" if args.dtype == "auto" else args.dtype
             model = scaled_k3_checkpoint(args.scaled_k3, dtype, Path(tmp) / "k3")
+        if args.batch_sizes:
+            batch_scaling(args, model)
+            return
         reference = None
         for layout in args.layouts.split(","):
             pp, tp = (int(x) for x in layout.split("x"))

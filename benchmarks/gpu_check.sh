@@ -30,3 +30,8 @@ for spec in "" "--method dspark --num-speculative-tokens 7"; do
   curl -s localhost:8011/debug/mtp_stats; echo
   kill $pid; wait $pid 2>/dev/null
 done
+
+echo "== tiny MiniMax-M3 + Qwen3 DSpark (fp32, block-sparse attention), layouts pp x tp"
+python benchmarks/bench_offline.py --device cuda --model tiny-minimax-m3 \
+  --draft-model tiny-minimax-m3-dspark --layouts 1x1,2x1,2x4 \
+  --num-prompts 16 --input-len 64 --output-len 64 2>&1 | grep "tok/s"

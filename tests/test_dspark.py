@@ -24,6 +24,7 @@ from atom.models.tiny import resolve_model_path
 from atom.models.utils import PPMissingLayer, language_model_of
 from atom.spec_decode.drafter import Drafter, check_shared_embedding
 from atom.utils.forward_context import ForwardContext, set_forward_context
+from tests.spec.spec_helpers import propose_on_host
 from tests.toy_target import ToyCausalLM
 
 TARGET, K3_DRAFT, K31_DRAFT = (
@@ -199,7 +200,7 @@ def test_producer_skips_share_and_check_but_validates_vocab():
     assert drafter.model.embed_tokens is None and drafter.model.lm_head is None
     assert drafter.resident_taps == [4, 6]
     with pytest.raises(RuntimeError, match="never drafts"):
-        drafter.propose([1], [3], [[0]], [0.0], [0], [1.0], [None])
+        propose_on_host(drafter, [1], [3], [[0]], [0.0])
     producer = Drafter(make_config(kv_role="kv_producer"))
     with pytest.raises(ValueError, match="vocab_size"):
         producer.load_model(ToyCausalLM(hidden=128, vocab=512))
@@ -240,24 +241,24 @@ def test_prefill_then_propose_end_to_end(pp1):
     assert torch.equal(drafter.tap_buffers[0][:n], embedding)
     taps_before = [buf.clone() for buf in drafter.tap_buffers]
     anchors, positions, tables = [42, 7], [n, 5], [list(range(8))] * 2
-    ids, probs = drafter.propose(
-        anchors, positions, tables, [0.0, 0.0], [0, 0], [1.0, 1.0], [None, None]
-    )
+    greedy = propose_on_host(drafter, anchors, positions, tables, [0.0] * 2)
+    ids, probs = greedy.ids, greedy.probs
     assert ids.shape == (2, T) and ids.dtype == torch.long and probs is None
     assert bool(((ids >= 0) & (ids < 4096)).all())
     # The block pass embeds through the hooked table but records no tap.
     for before, after in zip(taps_before, drafter.tap_buffers):
         assert torch.equal(before, after)
-    gens = [torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)]
-    ids, probs = drafter.propose(
-        anchors, positions, tables, [0.8, 0.0], [0, 0], [0.9, 1.0], gens
-    )
+    mixed = [0.8, 0.0], [0.9, 1.0], [3, 3]  # temperatures, top-p, seeds
+    sampled = propose_on_host(drafter, anchors, positions, tables, *mixed)
+    ids, probs = sampled.ids, sampled.probs
     assert probs.shape == (2, T, 4096)
     torch.testing.assert_close(probs.sum(-1), torch.ones(2, T))
     assert bool((probs[0].gather(1, ids[0, :, None]) > 0).all())
     assert torch.equal(probs[1], nn.functional.one_hot(ids[1], 4096).float())
-    with pytest.raises(ValueError, match="outside the vocabulary"):
-        drafter.propose([4096], [n], tables[:1], [0.0], [0], [1.0], [None])
+    again = propose_on_host(drafter, anchors, positions, tables, *mixed)
+    assert torch.equal(again.ids, ids) and torch.equal(again.probs, probs)
+    with pytest.raises(ValueError, match="must agree"):
+        propose_on_host(drafter, anchors, positions, tables[:1], [0.0, 0.0])
 
 
 def test_chunked_prefill_writes_the_same_context_and_drafts(pp1):
@@ -274,9 +275,7 @@ def test_chunked_prefill_writes_the_same_context_and_drafts(pp1):
             for layer in caches.kv_layers
             if layer in list(drafter.model.modules())
         ]
-        ids, _ = drafter.propose(
-            [9], [done], [list(range(8))], [0.0], [0], [1.0], [None]
-        )
+        ids = propose_on_host(drafter, [9], [done], [list(range(8))], [0.0]).ids
         results.append((draft_rows, ids))
     (one_rows, one_ids), (chunked_rows, chunked_ids) = results
     assert len(one_rows) == 2

@@ -12,13 +12,14 @@ from atom.model_engine.cache_engine import CacheEngine
 from atom.model_loader.loader import load_weights
 from atom.model_ops.rotary_embedding import yarn_mscale
 from atom.model_ops.sampler import probs_for
+from atom.model_ops.sampling_metadata import SamplingMetadata
 from atom.models.kimi_k3_dspark import KimiK3DSpark, MarkovHead
 from atom.models.tiny import configs, resolve_model_path
-from atom.spec_decode.dspark_proposer import draw_from, markov_decode
+from atom.spec_decode.markov_head import markov_decode
 from tests.toy_target import ToyCausalLM
 
 BLOCK_SIZE, NUM_BLOCKS, WIDTH, TAP_WIDTH = 4, 8, 4, 4 * 128
-TABLE = list(range(NUM_BLOCKS))
+TABLE = torch.arange(NUM_BLOCKS).view(1, -1)  # one sequence's block table
 
 
 @pytest.fixture(scope="module")
@@ -41,14 +42,14 @@ def draft(draft_config):
 def logits(draft, ids, position):
     with torch.inference_mode():
         return draft.forward_block_rows(
-            torch.tensor([ids]), torch.tensor([position]), [TABLE]
+            torch.tensor([ids]), torch.tensor([position]), TABLE
         )[0]
 
 
 def test_context_rows_follow_the_spec(draft):
     gen = torch.Generator().manual_seed(1)
     taps, positions = torch.randn(3, TAP_WIDTH, generator=gen), torch.tensor([0, 5, 9])
-    slots = torch.tensor([20, 21, -1])  # -1: a padding row, never written
+    slots = torch.tensor([20, 21, 31])
     draft.write_context_kv(taps, positions, slots)
     context = draft.context_norm(draft.context_proj(taps))
     for layer in draft.layers:
@@ -76,7 +77,7 @@ def test_block_is_non_causal(draft):
     changed = logits(draft, [42, mask, mask, 17], 6)
     assert not torch.allclose(base[0], changed[0])  # row T-1 reaches row 0
     assert base.dtype == torch.float32 and base.shape == (4, 4096)
-    block = draft.block_forward(torch.tensor([42]), torch.tensor([6]), [TABLE], 4)
+    block = draft.block_forward(torch.tensor([42]), torch.tensor([6]), TABLE, 4)
     assert torch.equal(block[0], base)
 
 
@@ -94,11 +95,11 @@ def test_context_rows_beyond_p_are_never_read(draft):
 
 def test_batched_blocks_equal_single_blocks(draft):
     anchors, positions = torch.tensor([42, 7]), torch.tensor([6, 11])
-    tables = [TABLE, TABLE]
+    tables = TABLE.expand(2, -1)
     both = draft.block_forward(anchors, positions, tables, WIDTH)
     for b in range(2):
         one = draft.block_forward(
-            anchors[b : b + 1], positions[b : b + 1], [TABLE], WIDTH
+            anchors[b : b + 1], positions[b : b + 1], TABLE, WIDTH
         )
         torch.testing.assert_close(both[b], one[0])
 
@@ -119,6 +120,10 @@ def small_head(vocab=6, rank=2) -> MarkovHead:
     return head
 
 
+def greedy_settings(num_seqs: int) -> SamplingMetadata:
+    return SamplingMetadata.build([0.0] * num_seqs)
+
+
 def test_markov_bias_flips_the_argmax_and_chains():
     head = small_head()
     # Previous token 0 favours 4; previous token 4 favours 2.
@@ -128,60 +133,105 @@ def test_markov_bias_flips_the_argmax_and_chains():
     head.markov_w2.weight[2] = torch.tensor([0.0, 2.0])
     base = torch.zeros(1, 2, 6)
     base[0, :, 1] = 1.0  # the backbone alone says 1 at both positions
-    drafts, probs = markov_decode(
-        base, torch.tensor([0]), head.bias, [0.0], [0], [1.0], [None]
+    out = markov_decode(
+        base, torch.tensor([0]), torch.tensor([3]), head.bias, greedy_settings(1)
     )
-    assert drafts.tolist() == [[4, 2]] and probs is None
+    assert out.ids.tolist() == [[4, 2]] and out.probs is None
     assert base[0].argmax(-1).tolist() == [1, 1]
 
 
 def test_greedy_ties_take_the_lowest_index():
-    greedy = ([0.0, 0.0], [0, 0], [1.0, 1.0], [None, None])
-    drafts, _ = markov_decode(
-        torch.zeros(2, 3, 6), torch.tensor([0, 5]), small_head().bias, *greedy
+    out = markov_decode(
+        torch.zeros(2, 3, 6),
+        torch.tensor([0, 5]),
+        torch.tensor([4, 9]),
+        small_head().bias,
+        greedy_settings(2),
     )
-    assert drafts.tolist() == [[0, 0, 0], [0, 0, 0]]
+    assert out.ids.tolist() == [[0, 0, 0], [0, 0, 0]]
+
+
+SAMPLED = dict(temperatures=[0.7, 1.0, 0.0], top_ks=[0, 50, 0], top_ps=[0.9, 1.0, 1.0])
+
+
+def run_sampled(draft, base, anchors, positions, seeds, rows=None):
+    rows = list(range(len(seeds))) if rows is None else rows
+    settings = {k: [v[r] for r in rows] for k, v in SAMPLED.items()}
+    sampling = SamplingMetadata.build(**settings, seeds=[seeds[r] for r in rows])
+    return markov_decode(
+        base[rows], anchors[rows], positions[rows], draft.markov_bias, sampling
+    )
 
 
 def test_sampled_q_is_the_exact_filtered_markov_distribution(draft):
     gen = torch.Generator().manual_seed(5)
-    base = torch.randn(2, 4, 4096, generator=gen)
-    anchors = torch.tensor([8, 900])
-    settings = ([0.7, 1.0], [0, 50], [0.9, 1.0])
-
-    def run(seed):
-        gens = [torch.Generator().manual_seed(seed) for _ in range(2)]
-        return markov_decode(base, anchors, draft.markov_bias, *settings, gens)
-
-    drafts, probs = run(11)
-    again, probs_again = run(11)
-    assert torch.equal(drafts, again) and torch.equal(probs, probs_again)
+    base = torch.randn(3, 4, 4096, generator=gen)
+    anchors, positions = torch.tensor([8, 900, 31]), torch.tensor([5, 17, 2])
+    out = run_sampled(draft, base, anchors, positions, [11, 12, 13])
+    again = run_sampled(draft, base, anchors, positions, [11, 12, 13])
+    assert torch.equal(out.ids, again.ids) and torch.equal(out.probs, again.probs)
     prev = anchors
     for k in range(4):
         z = base[:, k] + draft.markov_bias(prev)
-        assert torch.equal(probs[:, k], probs_for(z, *settings))
-        assert bool((probs[:, k].gather(1, drafts[:, k, None]) > 0).all())
-        prev = drafts[:, k]
-    other, _ = run(12)
-    assert not torch.equal(drafts, other)
+        expected = probs_for(z, *SAMPLED.values())
+        assert torch.equal(out.probs[:, k], expected)  # row 2: one-hot of argmax
+        assert bool((out.probs[:, k].gather(1, out.ids[:, k, None]) > 0).all())
+        prev = out.ids[:, k]
+    other = run_sampled(draft, base, anchors, positions, [21, 22, 13])
+    assert not torch.equal(out.ids[:2], other.ids[:2])
+    assert torch.equal(out.ids[2], other.ids[2])  # greedy: the seed is unused
 
 
-def test_draw_from_inverts_the_cdf_and_skips_zero_mass():
-    probs = torch.tensor([[0.0, 0.25, 0.0, 0.75, 0.0]] * 4)
-    uniforms = torch.tensor([0.0, 0.2499, 0.25, 1.0 - 2**-24])
-    assert draw_from(probs, uniforms).tolist() == [1, 1, 3, 3]
-    # u * mass rounding to the full mass still lands on a positive entry.
-    assert draw_from(probs[:1], torch.tensor([1.0])).tolist() == [3]
+def test_a_sequence_drafts_the_same_alone_and_in_a_batch(draft):
+    gen = torch.Generator().manual_seed(6)
+    base = torch.randn(3, 4, 4096, generator=gen)
+    anchors, positions = torch.tensor([8, 900, 31]), torch.tensor([5, 17, 2])
+    batch = run_sampled(draft, base, anchors, positions, [11, 12, 13])
+    for row in range(3):
+        alone = run_sampled(draft, base, anchors, positions, [11, 12, 13], [row])
+        assert torch.equal(alone.ids[0], batch.ids[row])
+        if alone.probs is not None:  # None for the greedy row alone
+            torch.testing.assert_close(alone.probs[0], batch.probs[row])
+
+
+def test_sampled_drafts_follow_q():
+    """Each position's draft is a draw from its q (Markov chain of one head)."""
+    head = small_head(vocab=4)
+    num_seqs = 4000
+    base = torch.log(torch.tensor([0.1, 0.4, 0.2, 0.3])).expand(num_seqs, 2, 4)
+    sampling = SamplingMetadata.build([1.0] * num_seqs, seeds=list(range(num_seqs)))
+    out = markov_decode(
+        base,
+        torch.zeros(num_seqs, dtype=torch.long),
+        torch.full((num_seqs,), 7),
+        head.bias,
+        sampling,
+    )
+    for k in range(2):
+        counts = torch.bincount(out.ids[:, k], minlength=4).double()
+        expected = torch.tensor([0.1, 0.4, 0.2, 0.3], dtype=torch.float64) * num_seqs
+        # chi-square, 3 degrees of freedom, 0.9999 quantile 21.11; fixed seeds.
+        assert float(((counts - expected) ** 2 / expected).sum()) < 21.11
+    # Positions 8 and 9 use different uniforms.
+    assert not torch.equal(out.ids[:, 0], out.ids[:, 1])
 
 
 def test_lengths_must_agree():
-    with pytest.raises(ValueError, match="generators"):
-        one_generator = ([0.0, 0.0], [0, 0], [1.0, 1.0], [None])
+    with pytest.raises(ValueError, match="sampling metadata has 1 rows"):
         markov_decode(
             torch.zeros(2, 1, 6),
             torch.tensor([0, 1]),
+            torch.tensor([3, 4]),
             small_head().bias,
-            *one_generator,
+            greedy_settings(1),
+        )
+    with pytest.raises(ValueError, match="anchor ids and positions"):
+        markov_decode(
+            torch.zeros(2, 1, 6),
+            torch.tensor([0, 1]),
+            torch.tensor([3]),
+            small_head().bias,
+            greedy_settings(2),
         )
 
 

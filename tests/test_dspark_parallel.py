@@ -22,6 +22,7 @@ from atom.models.utils import IntermediateTensors
 from atom.spec_decode.drafter import Drafter
 from atom.spec_decode.pp_aux_relay import AUX_KEY, PPAuxRelay
 from atom.utils.forward_context import ForwardContext, set_forward_context
+from tests.spec.spec_helpers import propose_on_host
 
 PROMPT = [5, 77, 301, 9, 640, 12, 999, 58, 410, 3]
 TABLE, BLOCK_SIZE, T = list(range(8)), 4, 3
@@ -67,9 +68,9 @@ def prefill_and_propose(rank: int, tp: int, pp: int):
     if relay is not None:
         relay.absorb(taps_in, drafter.tap_buffers, n)
     drafter.precompute_context_kv(positions, metadata.slot_mapping, n)
-    greedy, _ = drafter.propose([42], [n], [TABLE], [0.0], [0], [1.0], [None])
-    gen = torch.Generator().manual_seed(5)
-    sampled, probs = drafter.propose([42], [n], [TABLE], [0.8], [0], [0.95], [gen])
+    greedy = propose_on_host(drafter, [42], [n], [TABLE], [0.0]).ids
+    sampled = propose_on_host(drafter, [42], [n], [TABLE], [0.8], [0.95], seeds=[5])
+    sampled, probs = sampled.ids, sampled.probs
     taps = torch.cat([buf[:n] for buf in drafter.tap_buffers], dim=-1)
     # numpy pickles by value; tensors would travel as shared-memory handles that
     # die with the rank process.

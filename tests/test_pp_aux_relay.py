@@ -213,8 +213,10 @@ def test_token_offset_is_honoured():
         model(second)
     packed = relay.pack(None, IDS.numel())
     ref = reference_taps()
+    # Two chunks against one unsplit forward: the matmuls see other batch shapes,
+    # so layer taps may differ in the last bits (1.8e-7 seen); embeddings may not.
     assert torch.equal(packed[:, :HIDDEN], ref[-1])
-    assert torch.equal(packed[:, HIDDEN:], ref[1])
+    torch.testing.assert_close(packed[:, HIDDEN:], ref[1], rtol=1e-5, atol=1e-6)
     with set_forward_context(ForwardContext(token_offset=MAX_TOKENS - 2)):
         with pytest.raises(RuntimeError, match="exceed"):
             model(first)

@@ -2,37 +2,54 @@
 
 Used by multi-process tests and benchmarks: each rank joins a real gloo (or NCCL)
 world, runs `fn(rank, *args)`, and its return value comes back to the caller.
+
+A value crosses as bytes written by `torch.save`: a tensor put on a queue as itself
+would travel as a shared-memory handle that dies with its rank, and a rank that
+exits before the caller reads it would lose the result. For the same reason each
+rank stays until the caller has read every result.
 """
 
 from __future__ import annotations
 
+import io
 import multiprocessing as mp
+import os
 import queue
-import socket
 import traceback
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from atom.distributed.parallel_state import destroy_distributed, init_distributed
+from atom.distributed.rank_process import die_with_parent, free_port
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _to_bytes(value: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
 
 
-def _rank_main(fn, rank, tp, pp, backend, init_method, args, results) -> None:
-    import torch
+def _from_bytes(data: bytes) -> Any:
+    # Our own ranks wrote these bytes, so arbitrary objects may be unpickled.
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
 
+
+def _rank_main(
+    fn, rank, tp, pp, backend, master_port, parent_pid, args, results, all_read
+) -> None:
+    die_with_parent(parent_pid)
     torch.set_num_threads(1)
     try:
-        init_distributed(tp, pp, rank, backend, init_method)
-        results.put((rank, True, fn(rank, *args)))
+        init_distributed(tp, pp, rank, backend, master_port)
+        results.put((rank, True, _to_bytes(fn(rank, *args))))
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
     finally:
         destroy_distributed()
+    # Bounded, so a rank whose caller stopped listening still ends.
+    all_read.wait(timeout=600)
 
 
 def run_ranks(
@@ -43,15 +60,20 @@ def run_ranks(
     backend: str = "gloo",
     timeout_s: float = 300.0,
 ) -> list[Any]:
-    """Results of `fn` ordered by global rank; raises with the first rank's traceback."""
+    """Results of `fn` ordered by global rank; raises with the first rank's traceback.
+
+    `fn` must be picklable (module level); tensors in its result come back on the CPU.
+    """
     ctx = mp.get_context("spawn")
     world = tp_size * pp_size
     results = ctx.Queue()
-    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    all_read = ctx.Event()
+    master_port = free_port()
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(fn, rank, tp_size, pp_size, backend, init_method, args, results),
+            args=(fn, rank, tp_size, pp_size, backend, master_port, os.getpid())
+            + (args, results, all_read),
             daemon=True,
         )
         for rank in range(world)
@@ -70,8 +92,9 @@ def run_ranks(
                 ) from None
             if not ok:
                 raise RuntimeError(f"rank {rank} failed:\n{value}")
-            collected[rank] = value
+            collected[rank] = _from_bytes(value)
     finally:
+        all_read.set()
         for proc in procs:
             proc.join(timeout=10)
             if proc.is_alive():

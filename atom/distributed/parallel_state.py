@@ -14,6 +14,8 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
+from atom.distributed.rank_process import loopback_store, use_loopback_sockets
+
 
 class GroupCoordinator:
     """One process group seen from one of its ranks."""
@@ -160,14 +162,28 @@ def init_distributed(
     pp_size: int,
     rank: int,
     backend: str,
-    init_method: str,
+    master_port: int,
 ) -> None:
-    """Join the world and build this rank's TP and PP groups (every rank calls this)."""
+    """Join the world and build this rank's TP and PP groups (every rank calls this).
+
+    The world lives on this machine: rank 0 serves the rendezvous store on
+    loopback `master_port`, and gloo / NCCL sockets stay on loopback too.
+    """
     global _TP, _PP
     world = tp_size * pp_size
-    dist.init_process_group(
-        backend, init_method=init_method, world_size=world, rank=rank
-    )
+    use_loopback_sockets()
+    store = loopback_store(rank, world, master_port)
+    dist.init_process_group(backend, store=store, world_size=world, rank=rank)
+    _TP, _PP = _new_groups(tp_size, pp_size, rank, backend)
+
+
+def _new_groups(
+    tp_size: int, pp_size: int, rank: int, backend: str
+) -> tuple[GroupCoordinator | None, GroupCoordinator | None]:
+    """(TP, PP) coordinators of `rank` for a tp x pp layout of global ranks
+    0..tp*pp-1; None for a rank outside it. Every rank of the world must call this:
+    creating a group is collective."""
+    mine: dict[str, GroupCoordinator] = {}
     tp_groups, pp_groups = stage_ranks(tp_size, pp_size)
     for kind, groups in (("tp", tp_groups), ("pp", pp_groups)):
         for ranks in groups:
@@ -178,13 +194,10 @@ def init_distributed(
                 else dist.new_group(ranks, backend="gloo")
             )
             if rank in ranks:
-                coordinator = GroupCoordinator(
+                mine[kind] = GroupCoordinator(
                     ranks, rank, device_group, cpu_group, kind
                 )
-                if kind == "tp":
-                    _TP = coordinator
-                else:
-                    _PP = coordinator
+    return mine.get("tp"), mine.get("pp")
 
 
 def destroy_distributed() -> None:
@@ -213,3 +226,31 @@ def build_parallel_state(
         yield
     finally:
         _TP, _PP = saved
+
+
+@contextmanager
+def layout_parallel_state(tp_size: int, pp_size: int) -> Iterator[bool]:
+    """Inside an initialised world: real TP and PP groups for a tp x pp layout of its
+    first tp * pp ranks, so one set of processes can run several layouts in turn.
+
+    Every rank of the world enters (creating groups is collective) and learns whether
+    it belongs to the layout; on exit all ranks meet again and the world's own groups
+    are back.
+    """
+    global _TP, _PP
+    world = dist.get_world_size()
+    if tp_size * pp_size > world:
+        raise ValueError(
+            f"a {tp_size} x {pp_size} layout needs {tp_size * pp_size} ranks, the "
+            f"world has {world}"
+        )
+    saved = (_TP, _PP)
+    tp, pp = _new_groups(tp_size, pp_size, dist.get_rank(), dist.get_backend())
+    member = tp is not None
+    if member:
+        _TP, _PP = tp, pp
+    try:
+        yield member
+    finally:
+        _TP, _PP = saved
+        dist.barrier()

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from atom.config import parse_partition
+from atom.sampling_params import MAX_SEED, SEED_RULE
 from atom.utils.arg_parser import FlexibleArgumentParser
 
 # The tiny test checkpoints ship a matching DSpark draft, so `--method dspark`
@@ -31,7 +32,6 @@ UNSUPPORTED_ENGINE_FLAGS: dict[tuple[str, ...], str] = {
     ("--kv-transfer-config",): "use --kv-role",
     ("--kv-cache-dtype",): "",
     ("--online-quant-config",): "",
-    ("--cudagraph-capture-sizes",): "",
     ("--cudagraph-mode",): "",
     ("--level",): "",
     ("--hf-overrides",): "",
@@ -57,6 +57,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"expected {SEED_RULE}, got {text!r}")
+    return value
+
+
 def _layer_partition(text: str) -> list[int]:
     """'24,23' -> [24, 23]: layers per pipeline stage (sums are checked by Config)."""
     try:
@@ -70,15 +80,32 @@ def _layer_partition(text: str) -> list[int]:
     return counts
 
 
+def _capture_sizes(text: str) -> list[int]:
+    """'[1,2,4]' or '1,2,4' -> [1, 2, 4] (ATOM writes a list literal)."""
+    try:
+        sizes = [int(part) for part in text.strip("[] ").split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"capture sizes must be a list of integers like '[1,2,4]', got {text!r}"
+        ) from None
+    if not sizes or any(size < 1 for size in sizes):
+        raise argparse.ArgumentTypeError(
+            f"capture sizes must be positive integers, got {text!r}"
+        )
+    return sizes
+
+
 @dataclass
 class EngineArgs:
     model: str = "tiny-kimi-k3"
     tokenizer: str | None = None
+    skip_tokenizer_init: bool = False
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     device: str = "auto"
     dtype: str = "auto"
     enforce_eager: bool = False
+    cudagraph_capture_sizes: list[int] | None = None
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     block_size: int = 16
@@ -104,23 +131,41 @@ class EngineArgs:
     @staticmethod
     def add_cli_args(parser: FlexibleArgumentParser) -> FlexibleArgumentParser:
         defaults = EngineArgs()
-        parser.add_argument("--model", default=defaults.model, help="HF id or path")
         parser.add_argument(
-            "--tokenizer", default=None, help="tokenizer path (default: --model)"
+            "--model",
+            default=defaults.model,
+            help="model folder, or a built-in tiny model name",
+        )
+        parser.add_argument(
+            "--tokenizer",
+            default=None,
+            help="tokenizer folder; None = the --model folder",
+        )
+        parser.add_argument(
+            "--skip-tokenizer-init",
+            action="store_true",
+            help="load no tokenizer: prompts must be token ids, outputs are token ids",
         )
         parser.add_argument(
             "-tp",
             "--tensor-parallel-size",
             type=_positive_int,
             default=defaults.tensor_parallel_size,
+            help="ranks per pipeline stage",
         )
         parser.add_argument(
             "-pp",
             "--pipeline-parallel-size",
             type=_positive_int,
             default=defaults.pipeline_parallel_size,
+            help="pipeline stages",
         )
-        parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+        parser.add_argument(
+            "--device",
+            choices=["auto", "cpu", "cuda"],
+            default="auto",
+            help="auto = cuda when available, else cpu",
+        )
         parser.add_argument(
             "--dtype",
             choices=["auto", "float32", "bfloat16", "float16"],
@@ -128,45 +173,64 @@ class EngineArgs:
             help="weight and activation dtype; auto = the checkpoint's",
         )
         parser.add_argument(
-            "--enforce-eager", action="store_true", help="never capture CUDA graphs"
+            "--enforce-eager",
+            action="store_true",
+            help="never capture CUDA graphs (CPU always runs eagerly)",
+        )
+        parser.add_argument(
+            "--cudagraph-capture-sizes",
+            type=_capture_sizes,
+            default=None,
+            help="decode batch sizes to capture as CUDA graphs, e.g. '[1,2,4,8]' "
+            "(default: 1, 2, 4, 8, 16, 24, 32, 48, ... up to --max-num-seqs)",
         )
         parser.add_argument(
             "--enable-prefix-caching",
             action=argparse.BooleanOptionalAction,
             default=True,
+            help="reuse the KV cache and KDA states of shared prompt prefixes",
         )
         parser.add_argument(
             "--enable-chunked-prefill",
             action=argparse.BooleanOptionalAction,
             default=True,
+            help="split long prompts across steps",
         )
         parser.add_argument(
-            "--block-size", type=_positive_int, default=defaults.block_size
+            "--block-size",
+            type=_positive_int,
+            default=defaults.block_size,
+            help="tokens per KV cache block",
         )
         parser.add_argument(
             "--max-model-len",
             type=_positive_int,
             default=None,
-            help="context length (default: the model config's)",
+            help="context length; None = the model config's",
         )
         parser.add_argument(
             "--max-num-batched-tokens",
             type=_positive_int,
             default=defaults.max_num_batched_tokens,
+            help="tokens per step, over all sequences",
         )
         parser.add_argument(
-            "--max-num-seqs", type=_positive_int, default=defaults.max_num_seqs
+            "--max-num-seqs",
+            type=_positive_int,
+            default=defaults.max_num_seqs,
+            help="sequences running at once",
         )
         parser.add_argument(
             "--gpu-memory-utilization",
             type=float,
             default=defaults.gpu_memory_utilization,
+            help="share of GPU memory the engine may fill, KV cache included",
         )
         parser.add_argument(
             "--num-kvcache-blocks",
             type=_positive_int,
             default=None,
-            help="KV cache size in blocks (default: sized from free memory)",
+            help="KV cache size in blocks; None = sized from free memory",
         )
         parser.add_argument(
             "--method",
@@ -174,24 +238,35 @@ class EngineArgs:
             default=None,
             help="speculative decoding method",
         )
-        parser.add_argument("--draft-model", default=None, help="standalone draft")
+        parser.add_argument(
+            "--draft-model",
+            default=None,
+            help="standalone draft folder; None = the tiny models' own draft",
+        )
         parser.add_argument(
             "--num-speculative-tokens",
             type=_positive_int,
             default=defaults.num_speculative_tokens,
+            help="draft tokens verified per step",
         )
         parser.add_argument(
             "--kv-role",
             choices=["none", "kv_producer", "kv_consumer"],
             default="none",
+            help="prefill/decode disaggregation role",
         )
         parser.add_argument(
             "--pp-layer-partition",
             type=_layer_partition,
             default=None,
-            help="layers per pipeline stage, e.g. '24,23'",
+            help="layers per pipeline stage, e.g. '24,23'; None = as even as possible",
         )
-        parser.add_argument("--seed", type=int, default=None)
+        parser.add_argument(
+            "--seed",
+            type=_seed,
+            default=None,
+            help=f"random seed; `atom generate` seeds its requests with it ({SEED_RULE})",
+        )
         parser.add_argument(
             "--trust-remote-code",
             action="store_true",

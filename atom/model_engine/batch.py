@@ -69,6 +69,18 @@ class ScheduledBatch:
 
 
 @dataclass
+class TokenChoice:
+    """What the last stage decided for one sampled sequence in one step."""
+
+    seq_id: int
+    # Accepted drafts, then the correction or bonus token (or the one sampled token).
+    token_ids: list[int]
+    num_accepted: int
+    # The drafts this sequence verifies next ([] without speculation).
+    draft_token_ids: list[int]
+
+
+@dataclass
 class BatchOutput:
     """Exactly one per output-producing batch, sent by the last stage."""
 
@@ -93,6 +105,16 @@ class BatchOutput:
                 f"BatchOutput {self.batch_id}: {len(self.seq_ids)} seq_ids but "
                 f"lengths {wrong}"
             )
+
+    @classmethod
+    def from_choices(cls, batch_id: int, choices: list[TokenChoice]) -> BatchOutput:
+        return cls(
+            batch_id,
+            [c.seq_id for c in choices],
+            [c.token_ids for c in choices],
+            [c.num_accepted for c in choices],
+            [c.draft_token_ids for c in choices],
+        )
 
     def check_against(self, batch: ScheduledBatch, max_drafts: int) -> None:
         """Raise RuntimeError unless this is a consistent answer to `batch`."""

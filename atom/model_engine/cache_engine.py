@@ -55,60 +55,83 @@ class CacheEngine:
         self.num_state_slots = num_state_slots
         self.num_spec_rows = num_spec_rows
         self.dtype = dtype
+        self.device = torch.device(device)
         self.kv_layers = kv_layers(modules)
         self.state_layers = state_layers(modules)
+        # One scratch block and one scratch state slot past the usable ones: the
+        # dummy sequences that pad a captured graph's batch write there.
+        self.scratch_kv_slot = num_blocks * block_size
+        self.scratch_state_slot = num_state_slots
+        blocks, slots = num_blocks + 1, num_state_slots + 1
         for layer in self.kv_layers:
             layer.kv_cache = torch.zeros(
-                num_blocks, block_size, layer.kv_cache_dim, dtype=dtype, device=device
+                blocks, block_size, layer.kv_cache_dim, dtype=dtype, device=device
             )
         for layer in self.state_layers:
             conv, ssm = layer.state_shapes()
-            layer.conv_state = torch.zeros(
-                num_state_slots, *conv, dtype=dtype, device=device
-            )
+            layer.conv_state = torch.zeros(slots, *conv, dtype=dtype, device=device)
             layer.ssm_state = torch.zeros(
-                num_state_slots, *ssm, dtype=torch.float32, device=device
+                slots, *ssm, dtype=torch.float32, device=device
             )
             # Rebinding replaces everything, so no buffer of an older engine lingers.
             layer.conv_snapshots = layer.ssm_snapshots = None
             if num_spec_rows:
                 layer.conv_snapshots = torch.zeros(
-                    num_state_slots, num_spec_rows, *conv, dtype=dtype, device=device
+                    slots, num_spec_rows, *conv, dtype=dtype, device=device
                 )
                 layer.ssm_snapshots = torch.zeros(
-                    num_state_slots,
-                    num_spec_rows,
-                    *ssm,
-                    dtype=torch.float32,
-                    device=device,
+                    slots, num_spec_rows, *ssm, dtype=torch.float32, device=device
                 )
 
-    def _check_slot(self, slot: int, what: str) -> None:
-        if not 0 <= slot < self.num_state_slots:
+    def _check_slots(self, slots: list[int], what: str) -> None:
+        bad = [s for s in slots if not 0 <= s < self.num_state_slots]
+        if bad:
             raise ValueError(
-                f"{what} state slot {slot} outside [0, {self.num_state_slots})"
+                f"{what} state slots {bad} outside [0, {self.num_state_slots})"
             )
 
-    def copy_state(self, src_slot: int, dst_slot: int) -> None:
-        """Copy every KDA layer's conv and recurrent state (fork or checkpoint save)."""
-        self._check_slot(src_slot, "source")
-        self._check_slot(dst_slot, "destination")
-        for layer in self.state_layers:
-            layer.conv_state[dst_slot].copy_(layer.conv_state[src_slot])
-            layer.ssm_state[dst_slot].copy_(layer.ssm_state[src_slot])
+    def _slot_tensor(self, slots: list[int]) -> torch.Tensor:
+        return torch.tensor(slots, dtype=torch.long, device=self.device)
 
-    def commit(self, slot: int, num_rows: int) -> None:
-        """After a verify forward: the state becomes the one after row `num_rows - 1`
-        (the last token kept: the verified anchor plus the accepted drafts)."""
-        self._check_slot(slot, "commit")
-        if not 1 <= num_rows <= self.num_spec_rows:
+    def copy_states(self, src_slots: list[int], dst_slots: list[int]) -> None:
+        """Copy every KDA layer's conv and recurrent state from each source slot to
+        its destination (prefix forks and checkpoint saves), one copy per layer."""
+        if len(src_slots) != len(dst_slots):
             raise ValueError(
-                f"commit of {num_rows} rows outside [1, {self.num_spec_rows}] "
+                f"{len(src_slots)} source slots for {len(dst_slots)} destinations"
+            )
+        if not src_slots:
+            return
+        self._check_slots(src_slots, "source")
+        self._check_slots(dst_slots, "destination")
+        src, dst = self._slot_tensor(src_slots), self._slot_tensor(dst_slots)
+        for layer in self.state_layers:
+            layer.conv_state.index_copy_(0, dst, layer.conv_state.index_select(0, src))
+            layer.ssm_state.index_copy_(0, dst, layer.ssm_state.index_select(0, src))
+
+    def commit(self, slots: list[int], num_rows: list[int]) -> None:
+        """After a verify forward: each slot's state becomes the one after its row
+        `num_rows - 1` (the last token kept: the anchor plus the accepted drafts)."""
+        if len(slots) != len(num_rows):
+            raise ValueError(f"{len(slots)} slots for {len(num_rows)} row counts")
+        if not slots:
+            return
+        self._check_slots(slots, "commit")
+        bad = [n for n in num_rows if not 1 <= n <= self.num_spec_rows]
+        if bad:
+            raise ValueError(
+                f"commit of {bad} rows outside [1, {self.num_spec_rows}] "
                 "(the snapshot rows bound)"
             )
+        slot_index = self._slot_tensor(slots)
+        row_index = self._slot_tensor(num_rows) - 1
         for layer in self.state_layers:
-            layer.conv_state[slot].copy_(layer.conv_snapshots[slot, num_rows - 1])
-            layer.ssm_state[slot].copy_(layer.ssm_snapshots[slot, num_rows - 1])
+            layer.conv_state.index_copy_(
+                0, slot_index, layer.conv_snapshots[slot_index, row_index]
+            )
+            layer.ssm_state.index_copy_(
+                0, slot_index, layer.ssm_snapshots[slot_index, row_index]
+            )
 
     def kv_bytes_per_block(self) -> int:
         return _kv_bytes_per_block(self.kv_layers, self.block_size, self.dtype)

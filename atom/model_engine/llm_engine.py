@@ -2,15 +2,17 @@
 
 The engine process is the head of stage 0: it owns the scheduler and the tokenizer,
 hands each batch to every rank, and applies each batch's one output message. Up to
-pp_size batches are in flight, so every stage has work.
+pp_size batches are in flight, so every stage has work. Under `skip_tokenizer_init`
+there is no tokenizer: prompts are token ids and outputs carry ids and empty text.
 """
 
 from __future__ import annotations
 
 import logging
+import random
 import time
 from collections import deque
-from dataclasses import fields
+from dataclasses import fields, replace
 
 from tqdm import tqdm
 
@@ -21,7 +23,11 @@ from atom.model_engine.scheduler import Scheduler
 from atom.model_engine.sequence import Sequence
 from atom.model_engine.worker import InProcessWorker, WorkerGroup
 from atom.sampling_params import SamplingParams
-from atom.utils.tokenizer import load_tokenizer
+from atom.utils.tokenizer import (
+    TEXT_NEEDS_TOKENIZER,
+    apply_chat_template,
+    engine_tokenizer,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +39,9 @@ class LLMEngine:
         if unknown:
             raise TypeError(f"unknown engine arguments: {', '.join(unknown)}")
         self.config = config = Config(model=model, **kwargs)
-        self.tokenizer = load_tokenizer(config.tokenizer or config.model)
+        self.tokenizer = engine_tokenizer(
+            config.model, config.tokenizer, config.skip_tokenizer_init
+        )
         self.model_name = model
         self.max_model_len = config.max_model_len
         num_checkpoints = config.max_num_seqs if config.enable_prefix_caching else 0
@@ -56,6 +64,8 @@ class LLMEngine:
             num_state_checkpoints=num_checkpoints,
         )
         self.outputs = OutputProcessor(self.tokenizer)
+        # Seeds of requests that come without one; Config.seed makes them repeatable.
+        self.request_seeds = random.Random(config.seed)
         self.in_flight: deque[ScheduledBatch] = deque()
         self.max_in_flight = config.pipeline_parallel_size
         logger.info(
@@ -71,7 +81,9 @@ class LLMEngine:
     def _eos_token_id(self) -> int | list[int] | None:
         hf = self.config.hf_config
         eos = hf.get("eos_token_id", hf.text.get("eos_token_id"))
-        return eos if eos is not None else self.tokenizer.eos_token_id
+        if eos is None and self.tokenizer is not None:
+            return self.tokenizer.eos_token_id
+        return eos
 
     # ---- requests ----
     def add_request(
@@ -80,6 +92,9 @@ class LLMEngine:
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
     ) -> str:
+        params = sampling_params or SamplingParams()
+        if self.tokenizer is None:
+            self._check_tokenizer_free(prompt, params)
         if isinstance(prompt, str):
             token_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
         else:
@@ -89,10 +104,31 @@ class LLMEngine:
         vocab = self.config.hf_config.text.get("vocab_size")
         if vocab is not None and any(not 0 <= t < vocab for t in token_ids):
             raise ValueError(f"prompt token ids must lie in [0, {vocab})")
-        seq = Sequence(token_ids, sampling_params or SamplingParams(), request_id)
+        params = sampling_params or SamplingParams()
+        if params.seed is None:
+            # Sampling draws from uniforms keyed by the request's seed, so every
+            # request needs one; the caller's object is left as it was.
+            seed = self.request_seeds.getrandbits(63)
+            params = replace(params, seed=seed)
+        seq = Sequence(token_ids, params, request_id)
         self.scheduler.add(seq)
-        self.outputs.add(seq)
+        try:
+            self.outputs.add(seq)
+        except BaseException:
+            self.scheduler.abort(seq.request_id)  # no half-added request runs on
+            raise
         return seq.request_id
+
+    @staticmethod
+    def _check_tokenizer_free(prompt: str | list[int], params: SamplingParams) -> None:
+        if isinstance(prompt, str):
+            raise ValueError(TEXT_NEEDS_TOKENIZER)
+        if params.stop:
+            raise ValueError(
+                "stop strings need a tokenizer, and this engine runs with "
+                "--skip-tokenizer-init (skip_tokenizer_init=True): drop stop and end "
+                "on eos or max_tokens"
+            )
 
     def abort_request(self, request_id: str) -> None:
         self.scheduler.abort(request_id)
@@ -119,13 +155,22 @@ class LLMEngine:
         results = []
         for work in batch.seqs:
             request_id = self.outputs.request_of_seq.get(work.seq_id)
-            if not work.sample or request_id is None:
-                continue
-            output, hit_stop = self.outputs.update(request_id)
-            if hit_stop:
-                self.scheduler.abort(request_id, "stop")
-            results.append(output)
+            if work.sample and request_id is not None:
+                results.append(self._output_of(request_id))
         return results
+
+    def _output_of(self, request_id: str) -> RequestOutput:
+        """The request's output after a step. Detokenizing and stop strings concern
+        this request only, so a failure there finishes it with `error` set."""
+        try:
+            output, hit_stop = self.outputs.update(request_id)
+        except Exception as error:
+            logger.exception("request %s failed after a step", request_id)
+            self.scheduler.abort(request_id, "error")
+            return self.outputs.fail(request_id, f"{type(error).__name__}: {error}")
+        if hit_stop:
+            self.scheduler.abort(request_id, "stop")
+        return output
 
     def generate(
         self,
@@ -155,6 +200,10 @@ class LLMEngine:
         bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm)
         while len(done) < len(ids):
             for out in self.step():
+                if out.error is not None:
+                    for request_id in ids:
+                        self.abort_request(request_id)
+                    raise RuntimeError(f"request {out.request_id}: {out.error}")
                 if out.finished:
                     done[out.request_id] = out
                     bar.update(1)
@@ -185,12 +234,13 @@ class LLMEngine:
         return stats.format_line() if stats is not None else None
 
     def apply_chat_template(self, messages: list[dict]) -> str:
-        if getattr(self.tokenizer, "chat_template", None):
-            return self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True
+        if self.tokenizer is None:
+            raise ValueError(
+                "chat messages need a tokenizer, and this engine runs with "
+                "--skip-tokenizer-init (skip_tokenizer_init=True): send token-id "
+                "prompts to the completions API"
             )
-        lines = [f"{m.get('role', 'user')}: {m.get('content', '')}" for m in messages]
-        return "\n".join(lines) + "\nassistant:"
+        return apply_chat_template(self.tokenizer, messages)
 
     def close(self) -> None:
         self.workers.close()

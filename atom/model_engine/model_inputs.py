@@ -1,11 +1,48 @@
-"""Flatten one batch of sequences into model inputs and attention metadata."""
+"""Flatten one batch of sequences into model inputs and attention metadata.
+
+The host builds every per-step integer tensor (token ids, positions, slots, block
+tables, ...) inside one int64 buffer, which reaches the device in a single copy; the
+inputs and the metadata are views of it. A captured graph keeps a static buffer of
+the same layout and replays after one `copy_` of the new step's buffer.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
 from atom.model_engine.batch import SeqWork
 from atom.utils.forward_context import AttentionMetadata
+
+
+@dataclass(frozen=True)
+class SeqPadding:
+    """Dummy sequences that fill a batch up to a captured graph's size.
+
+    Each has the batch's rows per sequence, writes its KV rows to `kv_slot` and its
+    recurrent state to `state_slot` (scratch places no request owns), starts from a
+    zero state and reads block 0 under the causal mask.
+    """
+
+    num_seqs: int
+    kv_slot: int
+    state_slot: int
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    """Host facts of one step and where each tensor sits in its packed buffer."""
+
+    num_seqs: int
+    num_tokens: int
+    max_query_len: int
+    uniform: bool
+    all_fresh: bool
+    keeps_row_states: bool
+    # (name, shape) in buffer order.
+    fields: tuple[tuple[str, tuple[int, ...]], ...]
 
 
 def slot_of(block_table: list[int], position: int, block_size: int) -> int:
@@ -19,39 +56,145 @@ def slot_of(block_table: list[int], position: int, block_size: int) -> int:
     return block_table[index] * block_size + position % block_size
 
 
-def prepare_inputs(
-    seqs: list[SeqWork], block_size: int, device: torch.device | str
-) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-    """(input_ids [N], positions [N], metadata) with sequences as consecutive rows."""
+def _check_work(work: SeqWork, block_size: int) -> None:
+    if not work.token_ids:
+        raise ValueError(f"sequence {work.seq_id} has no rows in this forward")
+    if not 0 <= work.num_spec_tokens < len(work.token_ids):
+        raise ValueError(
+            f"sequence {work.seq_id}: num_spec_tokens={work.num_spec_tokens} "
+            f"with {len(work.token_ids)} rows (rows are [last, d1..dT])"
+        )
+    slot_of(work.block_table, work.context_len + work.num_rows - 1, block_size)
+
+
+def build_step(
+    seqs: list[SeqWork],
+    block_size: int,
+    table_width: int | None = None,
+    padding: SeqPadding | None = None,
+) -> tuple[torch.Tensor, StepLayout]:
+    """(packed host buffer, layout) of one forward over `seqs`.
+
+    Block tables are padded with block 0 (masked, never written) to the longest
+    table, or to `table_width` blocks when a captured graph fixes the width.
+    `padding` appends dummy sequences after the real ones (graph replay).
+    """
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
-    token_ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    query_start_loc = [0]
+    if not seqs:
+        raise ValueError("a forward needs at least one sequence")
     for work in seqs:
-        if not work.token_ids:
-            raise ValueError(f"sequence {work.seq_id} has no rows in this forward")
-        if not 0 <= work.num_spec_tokens < len(work.token_ids):
+        _check_work(work, block_size)
+    token_ids = [t for work in seqs for t in work.token_ids]
+    lengths = [work.num_rows for work in seqs]
+    context_lens = [work.context_len for work in seqs]
+    state_slots = [work.state_slot for work in seqs]
+    tables = [work.block_table for work in seqs]
+    num_real_rows = len(token_ids)
+    if padding is not None:
+        extra = padding.num_seqs - len(seqs)
+        if extra < 0 or len(set(lengths)) != 1:
             raise ValueError(
-                f"sequence {work.seq_id}: num_spec_tokens={work.num_spec_tokens} "
-                f"with {len(work.token_ids)} rows (rows are [last, d1..dT])"
+                f"padding to {padding.num_seqs} sequences needs at most that many "
+                f"sequences of one length, got lengths {lengths}"
             )
-        token_ids.extend(work.token_ids)
-        for position in work.positions:
-            positions.append(position)
-            slots.append(slot_of(work.block_table, position, block_size))
-        query_start_loc.append(len(token_ids))
+        token_ids += [0] * (extra * lengths[0])
+        lengths += [lengths[0]] * extra
+        context_lens += [0] * extra
+        state_slots += [padding.state_slot] * extra
+        tables += [[]] * extra
+    width = max(len(table) for table in tables)
+    if table_width is not None:
+        if table_width < width:
+            raise ValueError(
+                f"table_width={table_width} is shorter than a block table of {width}"
+            )
+        width = table_width
+    num_seqs, num_tokens, max_query_len = len(lengths), len(token_ids), max(lengths)
+    uniform = all(n == max_query_len for n in lengths)
+
+    long = torch.long
+    lengths_t = torch.tensor(lengths, dtype=long)
+    context_t = torch.tensor(context_lens, dtype=long)
+    starts = torch.tensor([0, *accumulate(lengths)], dtype=long)
+    tables_t = torch.tensor(
+        [table + [0] * (width - len(table)) for table in tables], dtype=long
+    ).view(num_seqs, width)
+    row_seq = torch.repeat_interleave(torch.arange(num_seqs), lengths_t)
+    row_in_seq = torch.arange(num_tokens) - starts[row_seq]
+    positions = context_t[row_seq] + row_in_seq
+    slots = tables_t[row_seq, positions // block_size] * block_size
+    slots += positions % block_size
+    if padding is not None:
+        slots[num_real_rows:] = padding.kv_slot
+    offsets = torch.arange(max_query_len)
+    named = {
+        "input_ids": torch.tensor(token_ids, dtype=long),
+        "positions": positions,
+        "query_start_loc": starts,
+        "context_lens": context_t,
+        "slot_mapping": slots,
+        "block_tables": tables_t,
+        "state_slots": torch.tensor(state_slots, dtype=long),
+        "query_positions": context_t.unsqueeze(1) + offsets,
+    }
+    if not uniform:
+        within = offsets.unsqueeze(0) < lengths_t.unsqueeze(1)
+        named["pad_index"] = torch.where(
+            within, starts[:-1].unsqueeze(1) + offsets, num_tokens
+        )
+        named["unpad_index"] = row_seq * max_query_len + row_in_seq
+    layout = StepLayout(
+        num_seqs=num_seqs,
+        num_tokens=num_tokens,
+        max_query_len=max_query_len,
+        uniform=uniform,
+        all_fresh=all(work.context_len == 0 for work in seqs),
+        keeps_row_states=any(work.num_spec_tokens for work in seqs),
+        fields=tuple((name, tuple(t.shape)) for name, t in named.items()),
+    )
+    return torch.cat([t.reshape(-1) for t in named.values()]), layout
+
+
+def view_step(
+    packed: torch.Tensor, layout: StepLayout
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """(input_ids, positions, metadata) as views of a packed buffer."""
+    views: dict[str, torch.Tensor] = {}
+    offset = 0
+    for name, shape in layout.fields:
+        size = 1
+        for dim in shape:
+            size *= dim
+        views[name] = packed[offset : offset + size].view(shape)
+        offset += size
     metadata = AttentionMetadata(
-        query_start_loc=query_start_loc,
-        context_lens=[work.context_len for work in seqs],
-        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
-        block_tables=[list(work.block_table) for work in seqs],
-        state_slots=[work.state_slot for work in seqs],
-        verify=[work.num_spec_tokens > 0 for work in seqs],
+        num_seqs=layout.num_seqs,
+        num_tokens=layout.num_tokens,
+        max_query_len=layout.max_query_len,
+        query_len=layout.max_query_len if layout.uniform else 0,
+        all_fresh=layout.all_fresh,
+        keeps_row_states=layout.keeps_row_states,
+        query_start_loc=views["query_start_loc"],
+        context_lens=views["context_lens"],
+        slot_mapping=views["slot_mapping"],
+        block_tables=views["block_tables"],
+        state_slots=views["state_slots"],
+        query_positions=views["query_positions"],
+        pad_index=views.get("pad_index"),
+        unpad_index=views.get("unpad_index"),
     )
-    return (
-        torch.tensor(token_ids, dtype=torch.long, device=device),
-        torch.tensor(positions, dtype=torch.long, device=device),
-        metadata,
-    )
+    return views["input_ids"], views["positions"], metadata
+
+
+def prepare_inputs(
+    seqs: list[SeqWork],
+    block_size: int,
+    device: torch.device | str,
+    table_width: int | None = None,
+    padding: SeqPadding | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """(input_ids [N], positions [N], metadata) with sequences as consecutive rows,
+    on `device` after one host-to-device copy."""
+    packed, layout = build_step(seqs, block_size, table_width, padding)
+    return view_step(packed.to(device), layout)

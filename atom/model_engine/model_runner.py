@@ -2,8 +2,9 @@
 
 Stage order inside `execute`: commit the previous verify's KDA rows and fork prefix
 states -> receive the previous stage's payload -> forward -> save state checkpoints ->
-send to the next stage, or (last stage) write the draft's context KV, choose tokens,
-propose the next drafts and return the one BatchOutput of this batch.
+send to the next stage, or (last stage) write the draft's context KV, let the step
+sampler choose tokens and propose the next drafts, and return the one BatchOutput of
+this batch.
 """
 
 from __future__ import annotations
@@ -11,17 +12,20 @@ from __future__ import annotations
 import logging
 
 import torch
+import torch.distributed as dist
 
-from atom.config import Config, is_context_only_producer
-from atom.distributed.parallel_state import get_pp_group
+from atom.config import Config
+from atom.distributed.parallel_state import get_pp_group, get_tp_group
 from atom.distributed.pp_comm import recv_tensor_dict, send_tensor_dict
 from atom.model_engine.batch import BatchOutput, ScheduledBatch, SeqWork
 from atom.model_engine.cache_engine import CacheEngine
+from atom.model_engine.cuda_graph import DecodeGraphs, capture_sizes
 from atom.model_engine.memory_ledger import log_memory_ledger
 from atom.model_engine.model_inputs import prepare_inputs
 from atom.model_engine.step_sampler import StepSampler
 from atom.model_loader.loader import load_weights
-from atom.models.registry import check_pp_support, get_model_class
+from atom.model_ops.sampling_metadata import SamplingMetadata
+from atom.models.registry import check_pp_support, draft_tap_ids, get_model_class
 from atom.models.utils import IntermediateTensors, language_model_of
 from atom.spec_decode.drafter import Drafter
 from atom.spec_decode.pp_aux_relay import AUX_KEY, PPAuxRelay
@@ -45,8 +49,10 @@ class ModelRunner:
         self.model = self._build_model()
         self.drafter = self._build_drafter()
         self.relay = self._build_relay()
-        self.step_sampler = StepSampler(device)
+        proposer = self.drafter if self.drafter and self.drafter.will_propose else None
+        self.step_sampler = StepSampler(proposer)
         self.cache: CacheEngine | None = None
+        self.graphs: DecodeGraphs | None = None
         self.memory_ledger = log_memory_ledger(self.model, self.drafter)
 
     def _build_model(self) -> torch.nn.Module:
@@ -78,10 +84,9 @@ class ModelRunner:
         spec = self.config.speculative_config
         if spec is None or self.pp.world_size == 1:
             return None
-        draft_cfg = spec.draft_hf_config
         return PPAuxRelay(
             language_model_of(self.model).model,
-            list(draft_cfg["target_layer_ids"]),
+            draft_tap_ids(spec.draft_hf_config),
             int(self.config.hf_config.text["hidden_size"]),
             self.config.max_num_batched_tokens,
             self.device,
@@ -135,29 +140,72 @@ class ModelRunner:
             self.device,
             self.dtype,
         )
+        if self._can_capture_graphs():
+            self.graphs = self._capture_graphs()
+
+    def _can_capture_graphs(self) -> bool:
+        if self.device.type != "cuda" or self.config.enforce_eager:
+            return False
+        blockers = []
+        tp = get_tp_group()
+        if tp.world_size > 1 and dist.get_backend(tp.device_group) != "nccl":
+            blockers.append("tensor-parallel ranks share a GPU over gloo")
+        if not all(
+            m.graph_capturable
+            for m in self.model.modules()
+            if hasattr(m, "graph_capturable")
+        ):
+            blockers.append(
+                "routed experts need a host sync here (grouped GEMM wants bf16 on sm90+)"
+            )
+        if blockers:
+            logger.info("running eagerly: %s", "; ".join(blockers))
+        return not blockers
+
+    @torch.inference_mode()
+    def _capture_graphs(self) -> DecodeGraphs:
+        spec_rows = self.config.num_speculative_rows
+        sizes = capture_sizes(
+            self.config.cudagraph_capture_sizes, self.config.max_num_seqs
+        )
+        longest = self.config.max_model_len - 1 + spec_rows
+        table_width = -(-longest // self.config.block_size)
+        if self.drafter is not None and self.drafter.will_propose:
+            self.drafter.capture_graphs(sizes, table_width)
+        return DecodeGraphs(
+            self.model,
+            sizes,
+            [1, spec_rows + 1] if spec_rows else [1],
+            self.config.block_size,
+            table_width,
+            (self.cache.scratch_kv_slot, self.cache.scratch_state_slot),
+            self.is_first_stage,
+            self.device,
+            self.dtype,
+        )
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> BatchOutput | None:
-        for slot, rows in batch.spec_commits:
-            self.cache.commit(slot, rows)
-        for work in batch.seqs:
-            if work.state_fork_src is not None:
-                self.cache.copy_state(work.state_fork_src, work.state_slot)
-        self.step_sampler.forget(batch.finished_seq_ids)
-        input_ids, positions, metadata = prepare_inputs(
-            batch.seqs, self.config.block_size, self.device
+        self.cache.commit(
+            [slot for slot, _ in batch.spec_commits],
+            [rows for _, rows in batch.spec_commits],
         )
-        num_tokens = input_ids.numel()
+        forks = [work for work in batch.seqs if work.state_fork_src is not None]
+        self.cache.copy_states(
+            [work.state_fork_src for work in forks], [work.state_slot for work in forks]
+        )
+        self.step_sampler.forget(batch.finished_seq_ids)
+        num_tokens = batch.num_tokens
         received, taps_in = None, None
         if not self.is_first_stage:
             payload = recv_tensor_dict(self.device, self._expected_keys(num_tokens))
             taps_in = payload.pop(AUX_KEY, None)
             received = IntermediateTensors(payload)
-        with set_forward_context(ForwardContext(metadata)):
-            out = self.model(input_ids, positions, received)
-        for work in batch.seqs:
-            if work.state_save_dst is not None:
-                self.cache.copy_state(work.state_slot, work.state_save_dst)
+        out, positions, slot_mapping = self._forward(batch.seqs, received)
+        saves = [work for work in batch.seqs if work.state_save_dst is not None]
+        self.cache.copy_states(
+            [work.state_slot for work in saves], [work.state_save_dst for work in saves]
+        )
         if not self.is_last_stage:
             payload = dict(out.items())
             if self.relay is not None:
@@ -166,7 +214,22 @@ class ModelRunner:
                     payload[AUX_KEY] = packed
             send_tensor_dict(payload)
             return None
-        return self._finish_on_last_stage(batch, out, positions, metadata, taps_in)
+        return self._finish_on_last_stage(batch, out, positions, slot_mapping, taps_in)
+
+    def _forward(
+        self, seqs: list[SeqWork], received: IntermediateTensors | None
+    ) -> tuple[torch.Tensor | IntermediateTensors, torch.Tensor, torch.Tensor]:
+        """(stage output, positions, slot mapping) of the batch's rows: a captured
+        graph replays decode batches it covers, everything else runs eagerly."""
+        key = self.graphs.size_for(seqs) if self.graphs is not None else None
+        if key is not None:
+            return self.graphs.run(key, seqs, received)
+        input_ids, positions, metadata = prepare_inputs(
+            seqs, self.config.block_size, self.device
+        )
+        with set_forward_context(ForwardContext(metadata)):
+            out = self.model(input_ids, positions, received)
+        return out, positions, metadata.slot_mapping
 
     def _expected_keys(self, num_tokens: int) -> set[str]:
         keys = set(
@@ -179,46 +242,16 @@ class ModelRunner:
         return keys
 
     def _finish_on_last_stage(
-        self, batch, hidden, positions, metadata, taps_in
+        self, batch, hidden, positions, slot_mapping, taps_in
     ) -> BatchOutput | None:
         num_tokens = positions.numel()
         if self.drafter is not None:
             if self.relay is not None:
                 self.relay.absorb(taps_in, self.drafter.tap_buffers, num_tokens)
-            self.drafter.precompute_context_kv(
-                positions, metadata.slot_mapping, num_tokens
-            )
-        rows = StepSampler.rows_to_score(batch.seqs, metadata.query_start_loc)
-        if not rows:
+            self.drafter.precompute_context_kv(positions, slot_mapping, num_tokens)
+        if not batch.produces_output:
             return None
-        logits = self.model.compute_logits(hidden[rows])
-        seq_ids, emitted, accepted = self.step_sampler.choose(batch.seqs, logits)
-        drafts = self._propose(batch.seqs, emitted, accepted)
-        return BatchOutput(batch.batch_id, seq_ids, emitted, accepted, drafts)
-
-    def _propose(
-        self, seqs: list[SeqWork], emitted: list[list[int]], accepted: list[int]
-    ) -> list[list[int]]:
-        sampled = [work for work in seqs if work.sample]
-        if self.drafter is None or is_context_only_producer(self.config):
-            return [[] for _ in sampled]
-        anchors = [tokens[-1] for tokens in emitted]
-        # The anchor is committed right after the last accepted row.
-        positions = [
-            w.context_len + (a + 1 if w.num_spec_tokens else len(w.token_ids))
-            for w, a in zip(sampled, accepted)
-        ]
-        gens = [self.step_sampler.generator(w) for w in sampled]
-        draft_ids, draft_probs = self.drafter.propose(
-            anchors,
-            positions,
-            [w.block_table for w in sampled],
-            [w.temperature for w in sampled],
-            [w.top_k for w in sampled],
-            [w.top_p for w in sampled],
-            gens,
-        )
-        if draft_probs is not None:
-            for work, probs in zip(sampled, draft_probs):
-                self.step_sampler.draft_probs[work.seq_id] = probs.float().cpu()
-        return draft_ids.tolist()
+        sampling = SamplingMetadata.from_works(batch.seqs, self.device)
+        logits = self.model.compute_logits(hidden[sampling.logit_rows])
+        choices = self.step_sampler.step(logits, sampling)
+        return BatchOutput.from_choices(batch.batch_id, choices)

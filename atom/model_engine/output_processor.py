@@ -1,4 +1,7 @@
-"""Token ids back to text: incremental detokenization and stop strings."""
+"""Token ids back to text: incremental detokenization and stop strings.
+
+Without a tokenizer (skip_tokenizer_init) outputs carry token ids and empty text.
+"""
 
 from __future__ import annotations
 
@@ -17,14 +20,25 @@ class RequestOutput:
     new_text: str
     finished: bool
     finish_reason: str | None
+    # Why this request failed (finish_reason "error"); the engine went on.
+    error: str | None = None
 
 
 @dataclass
 class _Detok:
+    """One request's detokenization state.
+
+    Text grows by decoding only a short window: the output ids from `prefix_offset`
+    on, minus what the ids up to `read_offset` already decoded to. A window that
+    ends inside a multi-byte character decodes to U+FFFD and waits for more ids.
+    """
+
     seq: Sequence
     stops: list[str]
     num_tokens_seen: int = 0
     text: str = ""
+    prefix_offset: int = 0
+    read_offset: int = 0
 
 
 class OutputProcessor:
@@ -50,6 +64,35 @@ class OutputProcessor:
         if state is not None:
             del self.request_of_seq[state.seq.seq_id]
 
+    def _new_text(self, state: _Detok, outputs: list[int]) -> str:
+        decode = self.tokenizer.decode
+        seen = decode(
+            outputs[state.prefix_offset : state.read_offset], skip_special_tokens=True
+        )
+        window = decode(outputs[state.prefix_offset :], skip_special_tokens=True)
+        incomplete = window.endswith("\ufffd") and not state.seq.is_finished
+        if len(window) <= len(seen) or incomplete:
+            return ""
+        state.prefix_offset, state.read_offset = state.read_offset, len(outputs)
+        return window[len(seen) :]
+
+    def fail(self, request_id: str, error: str) -> RequestOutput:
+        """The final output of a request that failed with `error`."""
+        state = self.requests[request_id]
+        seq = state.seq
+        self.drop(request_id)
+        return RequestOutput(
+            request_id=request_id,
+            prompt_token_ids=seq.prompt_token_ids,
+            output_token_ids=list(seq.output_token_ids),
+            new_token_ids=[],
+            text=state.text,
+            new_text="",
+            finished=True,
+            finish_reason="error",
+            error=error,
+        )
+
     def update(self, request_id: str) -> tuple[RequestOutput, bool]:
         """(output, hit_stop_string) for one request after a step."""
         state = self.requests[request_id]
@@ -57,9 +100,9 @@ class OutputProcessor:
         outputs = seq.output_token_ids
         new_ids = outputs[state.num_tokens_seen :]
         state.num_tokens_seen = len(outputs)
-        text = self.tokenizer.decode(outputs, skip_special_tokens=True)
-        if text.endswith("\ufffd") and not seq.is_finished:
-            text = state.text  # a multi-byte character is still incomplete
+        text = state.text
+        if self.tokenizer is not None:
+            text += self._new_text(state, outputs)
         hit = False
         for stop in state.stops:
             cut = text.find(stop, max(0, len(state.text) - len(stop)))

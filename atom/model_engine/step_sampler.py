@@ -1,90 +1,133 @@
-"""Last-stage token choice for one batch: plain sampling or draft verification.
+"""One step's token choice on the last stage: sample or verify, then draft.
 
-Every TP rank of the last stage runs this on identical logits with identically seeded
-per-request generators, so all ranks pick the same tokens without a broadcast.
+`StepSampler.step` takes the scored logits and the step's `SamplingMetadata` and
+does, on the device and for all sampled sequences at once: plain sampling or draft
+verification, the drafter's next proposal, and storing the draft distributions
+that temperature > 0 requests verify next. Then one device-to-host copy brings
+back every sequence's tokens, accepted count and drafts.
+
+Every TP rank of the last stage runs this on identical logits; the counter-based
+uniforms depend only on (seed, position, stream), so all ranks pick the same
+tokens without a broadcast.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from atom.model_engine.batch import SeqWork
-from atom.model_ops.rejection_sampler import rejection_sample
-from atom.model_ops.sampler import Sampler, probs_for
+from atom.model_engine.batch import TokenChoice
+from atom.model_ops.rejection_sampler import verify_drafts
+from atom.model_ops.sampler import sample_tokens
+from atom.model_ops.sampling_metadata import SamplingMetadata
+from atom.spec_decode.draft_output import DraftOutput
+
+if TYPE_CHECKING:
+    from atom.spec_decode.drafter import Drafter
 
 
 class StepSampler:
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.sampler = Sampler()
-        self.generators: dict[int, torch.Generator] = {}
-        # Draft distributions q of the drafts each sequence will verify next step.
-        self.draft_probs: dict[int, torch.Tensor] = {}
+    """Chooses each step's tokens and owns the draft distributions between steps."""
 
-    def generator(self, work: SeqWork) -> torch.Generator:
-        gen = self.generators.get(work.seq_id)
-        if gen is None:
-            gen = torch.Generator(device="cpu")
-            gen.manual_seed(work.seed if work.seed is not None else work.seq_id)
-            self.generators[work.seq_id] = gen
-        return gen
+    def __init__(self, drafter: Drafter | None = None) -> None:
+        # None without speculation and on a context-only producer.
+        self.drafter = drafter
+        # q [T, V] (device) of the drafts each temperature > 0 sequence verifies
+        # next; greedy requests need none.
+        self.draft_probs: dict[int, torch.Tensor] = {}
 
     def forget(self, seq_ids: list[int]) -> None:
         for seq_id in seq_ids:
-            self.generators.pop(seq_id, None)
             self.draft_probs.pop(seq_id, None)
 
-    @staticmethod
-    def rows_to_score(seqs: list[SeqWork], query_start_loc: list[int]) -> list[int]:
-        """Flat row indices whose logits are needed: the last row, or all verify rows."""
-        rows: list[int] = []
-        for i, work in enumerate(seqs):
-            if not work.sample:
-                continue
-            end = query_start_loc[i + 1]
-            rows.extend(range(end - 1 - work.num_spec_tokens, end))
-        return rows
+    def step(
+        self, logits: torch.Tensor, sampling: SamplingMetadata
+    ) -> list[TokenChoice]:
+        """One TokenChoice per sampled sequence, in batch order.
 
-    def choose(
-        self, seqs: list[SeqWork], logits: torch.Tensor
-    ) -> tuple[list[int], list[list[int]], list[int]]:
-        """(seq ids, emitted tokens per seq, accepted drafts per seq)."""
-        seq_ids, emitted, accepted = [], [], []
-        offset = 0
-        for work in seqs:
-            if not work.sample:
-                continue
-            rows = logits[offset : offset + work.num_spec_tokens + 1].float().cpu()
-            offset += work.num_spec_tokens + 1
-            if work.num_spec_tokens:
-                tokens, num_accepted = self._verify(work, rows)
-            else:
-                tokens, num_accepted = [self._sample_one(work, rows)], 0
-            seq_ids.append(work.seq_id)
-            emitted.append(tokens)
-            accepted.append(num_accepted)
-        return seq_ids, emitted, accepted
-
-    def _sample_one(self, work: SeqWork, row: torch.Tensor) -> int:
-        token = self.sampler.sample(
-            row,
-            [work.temperature],
-            [work.top_k],
-            [work.top_p],
-            [self.generator(work)],
-        )
-        return int(token[0])
-
-    def _verify(self, work: SeqWork, rows: torch.Tensor) -> tuple[list[int], int]:
-        drafts = torch.tensor(work.token_ids[1:], dtype=torch.long)
-        greedy = work.temperature == 0
-        if greedy:
-            target = rows
-            draft_probs = None
+        logits: [R, V], the rows `sampling.logit_rows` selected, in that order.
+        """
+        spec = sampling.spec
+        if spec is None:
+            raise ValueError("the step's SamplingMetadata carries no spec metadata")
+        if spec.max_drafts == 0:
+            emitted = sample_tokens(logits, sampling).unsqueeze(1)
+            accepted = torch.zeros_like(emitted[:, 0])
         else:
-            target = probs_for(rows, work.temperature, work.top_k, work.top_p)
-            stored = self.draft_probs.get(work.seq_id)
-            draft_probs = None if stored is None else stored[: len(drafts)]
-        return rejection_sample(
-            target, drafts, draft_probs, greedy, self.generator(work)
-        )
+            emitted, accepted = verify_drafts(
+                logits[spec.row_index],
+                spec.draft_ids,
+                spec.num_drafts,
+                self._probs_of_verified_drafts(sampling, logits),
+                sampling,
+            )
+        drafts = None
+        if self.drafter is not None:
+            # The last emitted token anchors the next block; it sits accepted
+            # positions after the sequence's first decided position.
+            anchors = emitted.gather(1, accepted.unsqueeze(1)).squeeze(1)
+            drafts = self.drafter.propose(
+                anchors, sampling.positions + accepted, spec.block_tables, sampling
+            )
+            self.store_draft_probs(sampling, drafts)
+        return self._to_host(sampling, emitted, accepted, drafts)
+
+    def store_draft_probs(
+        self, sampling: SamplingMetadata, drafts: DraftOutput
+    ) -> None:
+        """Keep, on the device, q of the drafts temperature > 0 requests verify next."""
+        if drafts.probs is None or sampling.all_greedy:
+            return
+        kept = drafts.probs.index_select(0, sampling.sampled_index)
+        sampled_ids = [
+            seq_id
+            for seq_id, greedy in zip(sampling.seq_ids, sampling.greedy_host)
+            if not greedy
+        ]
+        for seq_id, probs in zip(sampled_ids, kept):
+            self.draft_probs[seq_id] = probs
+
+    def _probs_of_verified_drafts(
+        self, sampling: SamplingMetadata, logits: torch.Tensor
+    ) -> torch.Tensor | None:
+        """[S, T, V] q of the drafts verified now; zeros where unused (greedy
+        requests, sequences without drafts); None when every request is greedy."""
+        if sampling.all_greedy:
+            return None
+        spec = sampling.spec
+        width = spec.max_drafts
+        unused = logits.new_zeros(width, logits.shape[-1], dtype=torch.float32)
+        rows = []
+        for seq_id, greedy, count in zip(
+            sampling.seq_ids, sampling.greedy_host, spec.num_drafts_host
+        ):
+            if greedy or count == 0:
+                rows.append(unused)
+                continue
+            stored = self.draft_probs.get(seq_id)
+            if stored is None or stored.shape[0] < count:
+                raise RuntimeError(
+                    f"sequence {seq_id} verifies {count} sampled drafts but their "
+                    "draft distributions were never stored"
+                )
+            rows.append(stored[:width])
+        return torch.stack(rows)
+
+    @staticmethod
+    def _to_host(
+        sampling: SamplingMetadata,
+        emitted: torch.Tensor,
+        accepted: torch.Tensor,
+        drafts: DraftOutput | None,
+    ) -> list[TokenChoice]:
+        parts = [accepted.unsqueeze(1), emitted]
+        if drafts is not None:
+            parts.append(drafts.ids)
+        # The step's one device-to-host copy.
+        rows = torch.cat(parts, dim=1).tolist()
+        width = emitted.shape[1]
+        return [
+            TokenChoice(seq_id, row[1 : 2 + row[0]], row[0], row[1 + width :])
+            for seq_id, row in zip(sampling.seq_ids, rows)
+        ]

@@ -3,7 +3,8 @@
 The engine process schedules (it is the head of stage 0) and hands every rank each
 batch through that rank's queue; the last stage's TP rank 0 sends back the batch's one
 output message. A rank that fails reports its traceback; a rank that dies is noticed by
-liveness checks, so the engine raises instead of hanging.
+liveness checks, so the engine raises instead of hanging. A rank never outlives the
+engine process (`die_with_parent`).
 """
 
 from __future__ import annotations
@@ -12,11 +13,11 @@ import logging
 import multiprocessing as mp
 import os
 import queue
-import socket
 import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from multiprocessing import connection
 from typing import Any
 
 import torch
@@ -29,6 +30,7 @@ from atom.distributed.parallel_state import (
     get_tp_group,
     init_distributed,
 )
+from atom.distributed.rank_process import die_with_parent, free_port
 from atom.model_engine.batch import BatchOutput, ScheduledBatch
 from atom.model_engine.model_runner import ModelRunner
 from atom.models.utils import language_model_of
@@ -115,12 +117,14 @@ def start_runner(config: Config, device: torch.device, num_checkpoints: int):
 def worker_main(
     config: Config,
     rank: int,
-    init_method: str,
+    master_port: int,
     backend: str,
     num_checkpoints: int,
+    parent_pid: int,
     tasks: mp.Queue,
     results: mp.Queue,
 ) -> None:
+    die_with_parent(parent_pid)
     logging.basicConfig(level=os.environ.get("ATOM_LOG_LEVEL", "INFO"))
     try:
         torch.set_num_threads(1)
@@ -134,7 +138,7 @@ def worker_main(
             parallel.pipeline_parallel_size,
             rank,
             backend,
-            init_method,
+            master_port,
         )
         runner, info = start_runner(config, device, num_checkpoints)
         reports = get_pp_group().is_last_rank and get_tp_group().is_first_rank
@@ -153,12 +157,6 @@ def worker_main(
         destroy_distributed()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class WorkerGroup:
     """The engine's handle on its rank processes."""
 
@@ -166,7 +164,7 @@ class WorkerGroup:
         ctx = mp.get_context("spawn")
         parallel = config.parallel_config
         self.tp_size = parallel.tensor_parallel_size
-        init_method = f"tcp://127.0.0.1:{free_port()}"
+        master_port = free_port()
         backend = choose_backend(config)
         self.results: mp.Queue = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(parallel.world_size)]
@@ -176,9 +174,10 @@ class WorkerGroup:
                 args=(
                     config,
                     rank,
-                    init_method,
+                    master_port,
                     backend,
                     num_checkpoints,
+                    os.getpid(),
                     q,
                     self.results,
                 ),
@@ -271,6 +270,20 @@ class WorkerGroup:
         if exited is not None:
             self.close()
             raise RuntimeError(f"{exited}; the engine cannot continue")
+
+    def wait_for_rank_exit(self, timeout: float) -> str | None:
+        """Block up to `timeout` s until a rank process ends; say which and how.
+
+        Safe from another thread than the engine's: it only watches the process
+        sentinels, so a rank that dies while the engine idles is seen at once.
+        """
+        ended = connection.wait([proc.sentinel for proc in self.procs], timeout)
+        if not ended:
+            return None
+        for proc in self.procs:
+            if proc.sentinel in ended:
+                proc.join(timeout=1.0)  # reaped, so its exit code is known
+        return self._exited_rank() or "a rank process exited"
 
     def close(self) -> None:
         for q, proc in zip(self.tasks, self.procs):

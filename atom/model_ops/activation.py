@@ -1,4 +1,4 @@
-"""Gated FFN activations: SiLU (SwiGLU) and SiTU (spec 4.5).
+"""Gated FFN activations: SiLU (SwiGLU), SiTU and the clamped SwiGLU-OAI.
 
 Both take the packed `[..., 2I]` projection, gate half first, and return `[..., I]`.
 """
@@ -49,6 +49,32 @@ class SiTUAndMul(nn.Module):
 
     def extra_repr(self) -> str:
         return f"beta={self.beta}, linear_beta={self.linear_beta}"
+
+
+class SwigluOAIAndMul(nn.Module):
+    """(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit).
+
+    The gate has no lower clamp; the "+1" on the up half is part of the activation.
+    """
+
+    def __init__(self, alpha: float, limit: float) -> None:
+        super().__init__()
+        if not alpha > 0 or not limit > 0:
+            raise ValueError(
+                f"swiglu alpha and limit must be positive, got alpha={alpha}, "
+                f"limit={limit}"
+            )
+        self.alpha = float(alpha)
+        self.limit = float(limit)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = _split_gate_up(x)
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1.0) * (gate * torch.sigmoid(gate * self.alpha))
+
+    def extra_repr(self) -> str:
+        return f"alpha={self.alpha}, limit={self.limit}"
 
 
 def get_act_and_mul(

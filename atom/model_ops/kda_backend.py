@@ -1,8 +1,8 @@
 """Where KDA recurrences run: pure torch everywhere, fla's Triton kernels on CUDA.
 
-Every backend has the contract of `atom.model_ops.kda`: one sequence, q and k already
-L2-normalised, g the fp32 log-decay, beta fp32, state value-first [h, Dv, Dk] fp32 (or
-None for zeros); outputs are fp32. `ATOM_KDA_BACKEND=auto|torch|fla` overrides the
+Every backend has the contract of `atom.model_ops.kda`: a batch of sequences padded to
+[B, T, h, D], q and k already L2-normalised, g the fp32 log-decay, beta fp32, start
+states value-first [B, h, Dv, Dk] fp32; outputs are fp32. `ATOM_KDA_BACKEND=auto|torch|fla` overrides the
 choice (auto: fla when on CUDA and importable, else torch).
 """
 
@@ -13,6 +13,7 @@ from typing import Protocol
 import torch
 
 from atom.model_ops.kda import chunk_kda, recurrent_kda
+from atom.utils.forward_context import AttentionMetadata
 
 BACKEND_ENV_VAR = "ATOM_KDA_BACKEND"
 _CHOICES = ("auto", "torch", "fla")
@@ -28,9 +29,11 @@ class KDABackend(Protocol):
         v: torch.Tensor,
         g: torch.Tensor,
         beta: torch.Tensor,
-        state: torch.Tensor | None,
+        state: torch.Tensor,
+        metadata: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Many tokens of one sequence: (o [T, h, Dv], final state [h, Dv, Dk])."""
+        """Many rows per sequence, padded [B, T, ...]: (o [B, T, h, Dv], final
+        [B, h, Dv, Dk]). `metadata` gives the real rows of each sequence."""
         ...
 
     def decode(
@@ -40,18 +43,20 @@ class KDABackend(Protocol):
         v: torch.Tensor,
         g: torch.Tensor,
         beta: torch.Tensor,
-        state: torch.Tensor | None,
+        state: torch.Tensor,
         return_all_states: bool = False,
     ) -> tuple[torch.Tensor, ...]:
-        """Few tokens (decode / speculative verify); with return_all_states also the
-        state after every row [T, h, Dv, Dk]."""
+        """Few rows per sequence (decode / speculative verify), padded [B, T, ...];
+        with return_all_states also the state after every row [B, T, h, Dv, Dk]."""
         ...
 
 
 class TorchKDABackend:
+    """Plain PyTorch: padded rows (g = 0, beta = 0) are neutral, so no lengths needed."""
+
     name = "torch"
 
-    def prefill(self, q, k, v, g, beta, state):
+    def prefill(self, q, k, v, g, beta, state, metadata):
         return chunk_kda(q, k, v, g, beta, state)
 
     def decode(self, q, k, v, g, beta, state, return_all_states=False):
@@ -61,11 +66,12 @@ class TorchKDABackend:
 
 
 class FlaKDABackend:
-    """Wraps fla's chunk / fused-recurrent KDA kernels.
+    """Wraps fla's varlen chunk and fused-recurrent KDA kernels.
 
-    fla takes batched `[B, T, h, D]` inputs and a key-first state `[N, h, Dk, Dv]`, so
-    one sequence is a batch of one and the state is transposed on the way in and out.
-    fla exposes no per-row states, so decode with return_all_states uses torch.
+    fla keeps states key-first `[N, h, Dk, Dv]`, so states are transposed on the way
+    in and out. Prefill runs the real rows only, as one varlen batch over the step's
+    `query_start_loc`. fla exposes no per-row states, so decode with
+    return_all_states uses torch.
     """
 
     name = "fla"
@@ -75,24 +81,26 @@ class FlaKDABackend:
         self._chunk = kda_ops.chunk_kda
         self._recurrent = kda_ops.fused_recurrent_kda
 
-    def _run(self, kernel, q, k, v, g, beta, state):
-        key_first = None
-        if state is not None:
-            key_first = state.float().transpose(1, 2).contiguous().unsqueeze(0)
+    def _run(self, kernel, q, k, v, g, beta, state, cu_seqlens=None):
         o, final = kernel(
-            q=q.float().unsqueeze(0).contiguous(),
-            k=k.float().unsqueeze(0).contiguous(),
-            v=v.float().unsqueeze(0).contiguous(),
-            g=g.float().unsqueeze(0).contiguous(),
-            beta=beta.float().unsqueeze(0).contiguous(),
+            q=q.float().contiguous(),
+            k=k.float().contiguous(),
+            v=v.float().contiguous(),
+            g=g.float().contiguous(),
+            beta=beta.float().contiguous(),
             scale=k.shape[-1] ** -0.5,
-            initial_state=key_first,
+            initial_state=state.float().transpose(2, 3).contiguous(),
             output_final_state=True,
+            cu_seqlens=cu_seqlens,
         )
-        return o[0].float(), final[0].float().transpose(1, 2).contiguous()
+        return o.float(), final.float().transpose(2, 3).contiguous()
 
-    def prefill(self, q, k, v, g, beta, state):
-        return self._run(self._chunk, q, k, v, g, beta, state)
+    def prefill(self, q, k, v, g, beta, state, metadata):
+        flat = [metadata.unpad(t).unsqueeze(0) for t in (q, k, v, g, beta)]
+        o, final = self._run(
+            self._chunk, *flat, state, cu_seqlens=metadata.query_start_loc
+        )
+        return metadata.pad(o[0]), final
 
     def decode(self, q, k, v, g, beta, state, return_all_states=False):
         if return_all_states:

@@ -1,4 +1,4 @@
-"""RMSNorm computed in fp32."""
+"""RMSNorm computed in fp32, plain (x̂ * w) or Gemma-style (x̂ * (1 + w))."""
 
 from __future__ import annotations
 
@@ -20,3 +20,15 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
+
+
+class GemmaRMSNorm(RMSNorm):
+    """The weight is an offset from 1 (zeros at init): x̂ * (1 + w), cast after the
+    multiply. A plain RMSNorm on such a checkpoint would scale by w alone."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__(hidden_size, eps)
+        self.weight.data.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, 1.0 + self.weight.float(), self.eps)

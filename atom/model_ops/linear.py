@@ -141,3 +141,70 @@ class RowParallelLinear(LinearBase):
         if self.bias is not None:
             y = y + self.bias
         return y
+
+
+def heads_on_rank(num_heads: int, rank: int, tp_size: int) -> range:
+    """The heads TP rank `rank` holds when heads are split across `tp_size` ranks.
+
+    With at least as many heads as ranks each rank holds num_heads / tp of them;
+    with fewer, heads are replicated and rank r holds head r * num_heads // tp (at
+    tp 8 with 4 KV heads, ranks 2h and 2h + 1 both hold head h).
+    """
+    if num_heads % tp_size and tp_size % num_heads:
+        raise ValueError(
+            f"{num_heads} heads can be neither split nor replicated evenly across "
+            f"tp={tp_size} ranks (one must divide the other)"
+        )
+    count = max(1, num_heads // tp_size)
+    first = rank * num_heads // tp_size
+    return range(first, first + count)
+
+
+class HeadParallelLinear(LinearBase):
+    """Several head-structured projections in one weight (e.g. q, k, v), each split
+    across TP ranks by whole heads and replicated where it has fewer heads than
+    ranks (`heads_on_rank`). `parts` lists (num_heads, head_dim); checkpoint tensor i
+    loads as shard i. A rank holds [part0_r; part1_r; ...].
+    """
+
+    def __init__(self, input_size: int, parts: list[tuple[int, int]]) -> None:
+        tp = get_tp_group()
+        self.parts = list(parts)
+        self.local_heads = [
+            heads_on_rank(heads, tp.rank_in_group, tp.world_size)
+            for heads, _ in self.parts
+        ]
+        self.output_sizes = [
+            len(local) * dim for local, (_, dim) in zip(self.local_heads, self.parts)
+        ]
+        super().__init__(input_size, sum(self.output_sizes), bias=False)
+        self.weight.expected_shards = set(range(len(self.parts)))
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None
+    ) -> None:
+        if shard_id is None or not 0 <= shard_id < len(self.parts):
+            raise ValueError(
+                f"a head-parallel projection loads one of its {len(self.parts)} "
+                f"parts at a time (shard_id), got {shard_id!r}"
+            )
+        heads, dim = self.parts[shard_id]
+        if loaded.dim() != 2 or loaded.shape[0] != heads * dim:
+            raise ValueError(
+                f"part {shard_id} expects [{heads} heads x {dim}, in], got "
+                f"{tuple(loaded.shape)}"
+            )
+        local = self.local_heads[shard_id]
+        piece = loaded[local.start * dim : local.stop * dim]
+        offset = sum(self.output_sizes[:shard_id])
+        target = param.data.narrow(0, offset, self.output_sizes[shard_id])
+        check_shape(target, piece, f"part {shard_id}")
+        target.copy_(piece)
+
+    def split(self, y: torch.Tensor) -> list[torch.Tensor]:
+        """This rank's output per part, each [..., local_heads, head_dim]."""
+        pieces = y.split(self.output_sizes, dim=-1)
+        return [
+            piece.unflatten(-1, (len(local), dim))
+            for piece, local, (_, dim) in zip(pieces, self.local_heads, self.parts)
+        ]

@@ -1,65 +1,129 @@
-"""Multi-head latent attention over a paged cache of compressed KV rows.
+"""Multi-head latent attention over a paged cache of compressed KV rows, batched.
 
-A cache row is [c_kv | k_pe] (kv_lora_rank + rope dims). Keys and values are
-re-expanded from the latent per head with this rank's slice of kv_b_proj.
+A cache row is [c_kv | k_pe] (kv_lora_rank + rope dims); `kv_b_weight`
+[h * (d_nope + d_v), kv_lora] of this rank's h heads turns c_kv into per-head keys
+and values. Two exact forms of one attention:
+
+- expanded (prefill): keys and values are re-expanded for every key row, then one
+  scaled-dot-product attention per sequence runs over them;
+- absorbed (decode, verify): the key up-projection folds into the query and the value
+  up-projection into the output, so a step reads each cached latent row once and
+  never expands the cache. Scores and softmax accumulate in fp32.
+
+Queries are padded per sequence [B, Q, h, *]; `visible` [B, Q, S] marks the keys each
+query row may attend to.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+
+# Queries per sequence up to which the absorbed form is used: decode and verify rows.
+ABSORB_MAX_QUERY_LEN = 16
 
 
 def write_kv(
     kv_cache: torch.Tensor, slot_mapping: torch.Tensor, rows: torch.Tensor
 ) -> None:
-    """Store `rows` [N, D] at flat slots (block * block_size + offset); -1 skips a row."""
+    """Store `rows` [N, D] at flat slots (block * block_size + offset).
+
+    Caches hold values only: what is written carries no autograd history.
+    """
     flat = kv_cache.view(-1, kv_cache.shape[-1])
-    keep = slot_mapping >= 0
-    flat[slot_mapping[keep]] = rows[keep].to(kv_cache.dtype)
+    flat.index_copy_(0, slot_mapping, rows.detach().to(kv_cache.dtype))
 
 
-def read_kv(
-    kv_cache: torch.Tensor, block_table: list[int], length: int
-) -> torch.Tensor:
-    """The first `length` cached rows of one sequence, in position order."""
-    block_size = kv_cache.shape[1]
-    needed = (length + block_size - 1) // block_size
-    if needed > len(block_table):
-        raise RuntimeError(
-            f"block table of {len(block_table)} blocks cannot hold {length} rows"
-        )
-    blocks = torch.as_tensor(block_table[:needed], device=kv_cache.device)
-    return kv_cache[blocks].reshape(-1, kv_cache.shape[-1])[:length]
+def gather_kv(kv_cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    """[B, W * block_size, D]: every sequence's cached rows in position order."""
+    num_seqs, width = block_tables.shape
+    rows = kv_cache.index_select(0, block_tables.reshape(-1))
+    return rows.view(num_seqs, width * kv_cache.shape[1], kv_cache.shape[2])
 
 
-def causal_mask(query_positions: torch.Tensor, num_keys: int) -> torch.Tensor:
-    """[Tq, Tk] bool: a query at position q sees keys 0..q."""
+def causal_visibility(query_positions: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """[B, Q, S] bool: a query at position p sees key rows 0..p."""
     keys = torch.arange(num_keys, device=query_positions.device)
-    return keys.unsqueeze(0) <= query_positions.unsqueeze(1)
+    return keys.view(1, 1, -1) <= query_positions.unsqueeze(-1)
+
+
+def _split_kv_b(
+    kv_b_weight: torch.Tensor, heads: int, v_dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(W_uk [h, d_nope, c], W_uv [h, d_v, c]) as views of kv_b_weight."""
+    per_head = kv_b_weight.view(heads, -1, kv_b_weight.shape[-1])
+    d_nope = per_head.shape[1] - v_dim
+    return per_head[:, :d_nope], per_head[:, d_nope:]
+
+
+def absorbed_attention(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    keys: torch.Tensor,
+    kv_b_weight: torch.Tensor,
+    v_dim: int,
+    scale: float,
+    visible: torch.Tensor,
+) -> torch.Tensor:
+    """Latent-space attention: [B, Q, h, d_v] fp32 from keys [B, S, c + r]."""
+    heads = q_nope.shape[2]
+    rank = kv_b_weight.shape[-1]
+    w_uk, w_uv = _split_kv_b(kv_b_weight, heads, v_dim)
+    c_kv, k_pe = keys[..., :rank], keys[..., rank:]
+    q_latent = torch.einsum("bqhd,hdc->bqhc", q_nope, w_uk.to(q_nope.dtype))
+    scores = torch.einsum("bqhc,bsc->bhqs", q_latent, c_kv.to(q_latent.dtype)).float()
+    scores += torch.einsum("bqhr,bsr->bhqs", q_pe, k_pe.to(q_pe.dtype)).float()
+    scores = (scores * scale).masked_fill(~visible.unsqueeze(1), float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    o_latent = torch.einsum("bhqs,bsc->bqhc", probs, c_kv.float())
+    return torch.einsum("bqhc,hvc->bqhv", o_latent, w_uv.float())
+
+
+def expanded_attention(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    keys: torch.Tensor,
+    kv_b_weight: torch.Tensor,
+    v_dim: int,
+    scale: float,
+    visible: torch.Tensor,
+) -> torch.Tensor:
+    """Attention over re-expanded keys and values: [B, Q, h, d_v] fp32."""
+    heads, d_nope = q_nope.shape[2], q_nope.shape[3]
+    rank = kv_b_weight.shape[-1]
+    c_kv, k_pe = keys[..., :rank], keys[..., rank:]
+    kv = (c_kv.float() @ kv_b_weight.float().t()).unflatten(-1, (heads, -1))
+    k_nope, v = kv.split([d_nope, v_dim], dim=-1)
+    k = torch.cat([k_nope, k_pe.float().unsqueeze(2).expand(-1, -1, heads, -1)], -1)
+    q = torch.cat([q_nope, q_pe], dim=-1).float()
+    o = F.scaled_dot_product_attention(
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        attn_mask=visible.unsqueeze(1),
+        scale=scale,
+    )
+    return o.transpose(1, 2)
 
 
 def latent_attention(
     q_nope: torch.Tensor,
     q_pe: torch.Tensor,
-    c_kv: torch.Tensor,
-    k_pe: torch.Tensor,
+    keys: torch.Tensor,
     kv_b_weight: torch.Tensor,
-    v_head_dim: int,
+    v_dim: int,
     scale: float,
-    mask: torch.Tensor | None,
+    visible: torch.Tensor,
 ) -> torch.Tensor:
-    """Attention of [Tq, h, *] queries over [Tk] latent rows; returns [Tq, h, dv] fp32.
+    """The absorbed form for few queries per sequence, the expanded one otherwise.
 
-    `kv_b_weight` is [h * (d_nope + d_v), kv_lora] for this rank's h heads; k_pe is
-    shared by all heads. `mask` [Tq, Tk] (True = attend) or None for full attention.
+    Key rows no query may see are zeroed first: a gather of whole blocks reads rows
+    past a sequence's end, and whatever they hold must not reach the output (a
+    masked score still multiplies its value row by zero, and 0 * nan is nan).
     """
-    heads, d_nope = q_nope.shape[1], q_nope.shape[2]
-    kv = (c_kv.float() @ kv_b_weight.float().t()).view(-1, heads, d_nope + v_head_dim)
-    k_nope, v = kv.split([d_nope, v_head_dim], dim=-1)
-    scores = torch.einsum("qhd,khd->hqk", q_nope.float(), k_nope)
-    scores = scores + torch.einsum("qhd,kd->hqk", q_pe.float(), k_pe.float())
-    scores = scores * scale
-    if mask is not None:
-        scores = scores.masked_fill(~mask.unsqueeze(0), float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    return torch.einsum("hqk,khd->qhd", probs, v)
+    keys = torch.where(visible.any(dim=1).unsqueeze(-1), keys, 0)
+    if q_nope.shape[1] <= ABSORB_MAX_QUERY_LEN:
+        return absorbed_attention(
+            q_nope, q_pe, keys, kv_b_weight, v_dim, scale, visible
+        )
+    return expanded_attention(q_nope, q_pe, keys, kv_b_weight, v_dim, scale, visible)

@@ -1,4 +1,5 @@
-"""What every DSpark-style draft shares: the target's embedding and LM head.
+"""What every DSpark-style draft shares: the target's embedding and LM head, and the
+Markov head.
 
 A DSpark draft was trained against the frozen target table and has no LM head of its
 own, so after its weights load it binds the target's `embed_tokens` and `lm_head` by
@@ -11,8 +12,10 @@ at the same module objects). The target owns them; the draft never moves or load
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
+from atom.model_ops.linear import ReplicatedLinear
 from atom.models.utils import PPMissingLayer
 
 
@@ -85,3 +88,19 @@ class SharedEmbeddingDraft(nn.Module):
             if module is not None:
                 total += sum(p.numel() * p.element_size() for p in module.parameters())
         return total
+
+
+class MarkovHead(nn.Module):
+    """Low-rank first-order transition bias: bias(prev) = W1[prev] @ W2^T (fp32)."""
+
+    def __init__(self, vocab_size: int, rank: int) -> None:
+        super().__init__()
+        # Both tables are [V, r]; replicated, since a sharded W2 would need a gather
+        # per drafted position.
+        self.markov_w1 = ReplicatedLinear(rank, vocab_size)
+        self.markov_w2 = ReplicatedLinear(rank, vocab_size)
+
+    def bias(self, prev_ids: torch.Tensor) -> torch.Tensor:
+        """[B] previous tokens -> [B, V] fp32 logit bias."""
+        w1 = self.markov_w1.weight[prev_ids].float()
+        return w1 @ self.markov_w2.weight.float().t()

@@ -22,17 +22,17 @@ from torch import nn
 
 from atom.distributed.parallel_state import get_tp_group
 from atom.model_ops.activation import SiluAndMul
+from atom.model_ops.gated_mlp import GatedMLP
 from atom.model_ops.layernorm import RMSNorm
 from atom.model_ops.linear import (
     ColumnParallelLinear,
-    MergedColumnParallelLinear,
     ReplicatedLinear,
     RowParallelLinear,
     divide,
 )
-from atom.model_ops.paged_mla import latent_attention, read_kv, write_kv
+from atom.model_ops.paged_mla import gather_kv, latent_attention, write_kv
 from atom.model_ops.rotary_embedding import RotaryEmbedding
-from atom.models.dspark_base import SharedEmbeddingDraft
+from atom.models.dspark_base import MarkovHead, SharedEmbeddingDraft
 from atom.models.kimi_k3_dspark_config import DSparkDraftConfig
 from atom.utils.forward_context import ForwardContext, set_forward_context
 
@@ -104,8 +104,8 @@ class DSparkAttention(nn.Module):
         self,
         x: torch.Tensor,
         positions: torch.Tensor,
-        block_tables: list[list[int]],
-        context_lens: list[int],
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
     ) -> torch.Tensor:
         """x: [B*T, H] block rows; each block sees its context rows and itself.
 
@@ -113,44 +113,31 @@ class DSparkAttention(nn.Module):
         rows, without a causal mask inside the block. Block KV stays transient.
         """
         cache = self._cache()
-        num_seqs = len(context_lens)
+        num_seqs = context_lens.shape[0]
         width = x.shape[0] // num_seqs
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        q = q.view(x.shape[0], self.heads, self.nope_dim + self.rope_dim)
+        q = q.view(num_seqs, width, self.heads, self.nope_dim + self.rope_dim)
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
-        q_pe = self.rotary(positions, q_pe)
+        q_pe = self.rotary(positions, q_pe.reshape(x.shape[0], self.heads, -1))
         # Rounded through the cache dtype, as if written to the cache and read back.
         block_rows = self.latent_rows(x, positions).to(cache.dtype)
-        outputs = []
-        for b in range(num_seqs):
-            rows = slice(b * width, (b + 1) * width)
-            context = read_kv(cache, block_tables[b], context_lens[b])
-            keys = torch.cat([context, block_rows[rows]], dim=0).to(x.dtype)
-            outputs.append(
-                latent_attention(
-                    q_nope[rows],
-                    q_pe[rows],
-                    keys[:, : self.kv_lora_rank],
-                    keys[:, self.kv_lora_rank :],
-                    self.kv_b_proj.weight,
-                    self.v_dim,
-                    self.scale,
-                    None,
-                )
-            )
-        o = torch.cat(outputs, dim=0).reshape(x.shape[0], self.heads * self.v_dim)
+        context = gather_kv(cache, block_tables)
+        keys = torch.cat([context, block_rows.view(num_seqs, width, -1)], dim=1)
+        key_index = torch.arange(keys.shape[1], device=x.device)
+        visible = (key_index < context_lens.unsqueeze(1)) | (
+            key_index >= context.shape[1]
+        )
+        o = latent_attention(
+            q_nope,
+            q_pe.view(num_seqs, width, self.heads, -1),
+            keys.to(x.dtype),
+            self.kv_b_proj.weight,
+            self.v_dim,
+            self.scale,
+            visible.unsqueeze(1).expand(-1, width, -1),
+        )
+        o = o.reshape(x.shape[0], self.heads * self.v_dim)
         return self.o_proj(o.to(x.dtype))
-
-
-class DSparkMLP(nn.Module):
-    def __init__(self, hidden: int, inner: int) -> None:
-        super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(hidden, [inner, inner])
-        self.act = SiluAndMul()
-        self.down_proj = RowParallelLinear(inner, hidden)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class DSparkDecoderLayer(nn.Module):
@@ -160,35 +147,19 @@ class DSparkDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, eps=eps)
         self.self_attn = DSparkAttention(config, f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=eps)
-        self.mlp = DSparkMLP(config.hidden_size, config.intermediate_size)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, SiluAndMul())
 
     def forward(
         self,
         h: torch.Tensor,
         positions: torch.Tensor,
-        block_tables: list[list[int]],
-        context_lens: list[int],
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
     ) -> torch.Tensor:
         h = h + self.self_attn(
             self.input_layernorm(h), positions, block_tables, context_lens
         )
         return h + self.mlp(self.post_attention_layernorm(h))
-
-
-class MarkovHead(nn.Module):
-    """Low-rank first-order transition bias: bias(prev) = W1[prev] @ W2^T (fp32)."""
-
-    def __init__(self, vocab_size: int, rank: int) -> None:
-        super().__init__()
-        # Both tables are [V, r]; replicated, since a sharded W2 would need a gather
-        # per drafted position.
-        self.markov_w1 = ReplicatedLinear(rank, vocab_size)
-        self.markov_w2 = ReplicatedLinear(rank, vocab_size)
-
-    def bias(self, prev_ids: torch.Tensor) -> torch.Tensor:
-        """[B] previous tokens -> [B, V] fp32 logit bias."""
-        w1 = self.markov_w1.weight[prev_ids].float()
-        return w1 @ self.markov_w2.weight.float().t()
 
 
 class KimiK3DSpark(SharedEmbeddingDraft):
@@ -200,6 +171,7 @@ class KimiK3DSpark(SharedEmbeddingDraft):
 
     # One plain class-level list, never rebound or mutated per stage (F7).
     skip_weight_prefixes = ["confidence_head.", "embed_tokens.", "lm_head."]
+    config_class = DSparkDraftConfig
     packed_modules_mapping = {
         "gate_proj": ("gate_up_proj", 0),
         "up_proj": ("gate_up_proj", 1),
@@ -211,7 +183,7 @@ class KimiK3DSpark(SharedEmbeddingDraft):
         target_config: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__()
-        config = DSparkDraftConfig.from_hf(draft_config)
+        config = self.config_class.from_hf(draft_config)
         if target_config is not None:
             config.validate_against_target(target_config)
         self.config = config
@@ -254,7 +226,7 @@ class KimiK3DSpark(SharedEmbeddingDraft):
         self,
         anchor_ids: torch.Tensor,
         anchor_positions: torch.Tensor,
-        block_tables: list[list[int]],
+        block_tables: torch.Tensor,
         num_rows: int,
     ) -> torch.Tensor:
         """Base logits U [B, T, V] fp32 of the block [x0, m, ..., m].
@@ -272,9 +244,11 @@ class KimiK3DSpark(SharedEmbeddingDraft):
         self,
         block_ids: torch.Tensor,
         anchor_positions: torch.Tensor,
-        block_tables: list[list[int]],
+        block_tables: torch.Tensor,
     ) -> torch.Tensor:
-        """Logits [B, T, V] fp32 for explicit block inputs [B, T] (row 0 = anchor)."""
+        """Logits [B, T, V] fp32 for explicit block inputs [B, T] (row 0 = anchor).
+
+        block_tables [B, W] must cover each sequence's context rows."""
         if self.embed_tokens is None or self.lm_head is None:
             raise RuntimeError(
                 "the draft has no embedding / LM head: call share_with_target first "
@@ -283,7 +257,7 @@ class KimiK3DSpark(SharedEmbeddingDraft):
         num_seqs, width = block_ids.shape
         offsets = torch.arange(width, device=block_ids.device)
         positions = (anchor_positions.unsqueeze(1) + offsets).reshape(-1)
-        context_lens = [int(p) for p in anchor_positions.tolist()]
+        context_lens = anchor_positions
         # is_draft: tap hooks on the shared embedding must not record the block.
         with set_forward_context(ForwardContext(is_draft=True)):
             h = self.embed_tokens(block_ids.reshape(-1))

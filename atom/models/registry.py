@@ -6,7 +6,10 @@ Classes are named by import path and loaded lazily, so `import atom.config` stay
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from atom.models.kimi_k3_dspark_config import DEFAULT_DRAFT_ARCHITECTURE
 
 if TYPE_CHECKING:
     from torch import nn
@@ -16,18 +19,29 @@ if TYPE_CHECKING:
 # Later releases that reuse an existing implementation unchanged.
 ARCH_ALIASES: dict[str, str] = {
     "KimiK31ForConditionalGeneration": "KimiK3ForConditionalGeneration",
+    # MiniMax-M3.1 is served as a drop-in for M3; no distinct config is public.
+    "MiniMaxM31SparseForConditionalGeneration": (
+        "MiniMaxM3SparseForConditionalGeneration"
+    ),
+    "MiniMaxM31SparseForCausalLM": "MiniMaxM3SparseForCausalLM",
 }
 
 _KIMI = "atom.models.kimi_k3.model"
+_MINIMAX = "atom.models.minimax_m3.model"
 
 TARGET_MODELS: dict[str, str] = {
     "KimiLinearForCausalLM": f"{_KIMI}:KimiLinearForCausalLM",
     "KimiK3ForCausalLM": f"{_KIMI}:KimiK3ForCausalLM",
     "KimiK3ForConditionalGeneration": f"{_KIMI}:KimiK3ForConditionalGeneration",
+    "MiniMaxM3SparseForCausalLM": f"{_MINIMAX}:MiniMaxM3SparseForCausalLM",
+    "MiniMaxM3SparseForConditionalGeneration": (
+        f"{_MINIMAX}:MiniMaxM3SparseForConditionalGeneration"
+    ),
 }
 
 DRAFT_MODELS: dict[str, str] = {
     "K3DSparkModel": "atom.models.kimi_k3_dspark:KimiK3DSpark",
+    "Qwen3DSparkModel": "atom.models.qwen3_dspark:Qwen3DSpark",
 }
 
 # Whether each speculative method's draft shares the target's embedding. Only sharing
@@ -44,6 +58,8 @@ pp_speculative_methods: dict[str, frozenset[str]] = {
     "KimiK3ForConditionalGeneration": frozenset({"dspark"}),
     "KimiK3ForCausalLM": frozenset({"dspark"}),
     "KimiLinearForCausalLM": frozenset({"dspark"}),
+    "MiniMaxM3SparseForConditionalGeneration": frozenset({"dspark"}),
+    "MiniMaxM3SparseForCausalLM": frozenset({"dspark"}),
 }
 
 
@@ -84,6 +100,21 @@ def get_model_class(arch: str) -> type[nn.Module]:
 
 def get_draft_model_class(arch: str) -> type[nn.Module]:
     return _load(DRAFT_MODELS, arch, "draft model")
+
+
+def draft_architecture(draft_config: Mapping[str, Any]) -> str:
+    """The draft checkpoint's architecture (Kimi-K3 DSpark exports may omit it)."""
+    archs = draft_config.get("architectures") or []
+    return archs[0] if archs else DEFAULT_DRAFT_ARCHITECTURE
+
+
+def draft_tap_ids(draft_config: Mapping[str, Any]) -> list[int]:
+    """The target layers a draft taps, read and validated by its own config class.
+
+    Every stage needs them for the tap relay; only the last stage builds the draft.
+    """
+    draft_cls = get_draft_model_class(draft_architecture(draft_config))
+    return list(draft_cls.config_class.from_hf(draft_config).target_layer_ids)
 
 
 def serves_pp_speculation(config: Config) -> bool:

@@ -4,25 +4,27 @@
 architecture, load it strictly, then (unless this is a context-only producer)
 bind the target's embedding and LM head and check that the bound table is real,
 and finally hook the target's resident taps. Per step the runner calls
-`precompute_context_kv` after every target forward and `propose` after sampling.
+`precompute_context_kv` after every target forward, and the step sampler calls
+`propose` once it has chosen the step's tokens.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 
 import torch
 from torch import nn
 
 from atom.config import Config, is_context_only_producer
 from atom.distributed.parallel_state import get_pp_group, get_tp_group
+from atom.model_engine.cuda_graph import BlockPassGraphs
 from atom.model_loader.loader import LoadReport, load_weights, parameter_bytes
-from atom.models.kimi_k3_dspark_config import DEFAULT_DRAFT_ARCHITECTURE
-from atom.models.registry import get_draft_model_class
+from atom.model_ops.sampling_metadata import SamplingMetadata
+from atom.models.registry import draft_architecture, get_draft_model_class
 from atom.models.utils import PPMissingLayer, language_model_of
 from atom.spec_decode.aux_capture import TapCapture, allocate_tap_buffers
-from atom.spec_decode.dspark_proposer import markov_decode
+from atom.spec_decode.draft_output import DraftOutput
+from atom.spec_decode.markov_head import markov_decode
 from atom.spec_decode.pp_aux_relay import tap_is_resident
 
 logger = logging.getLogger(__name__)
@@ -85,14 +87,14 @@ class Drafter:
         self.draft_hf_config = spec.draft_hf_config
         self.num_speculative_tokens = spec.num_speculative_tokens
         self.will_propose = not is_context_only_producer(config)
-        archs = self.draft_hf_config.get("architectures") or []
-        self.architecture = archs[0] if archs else DEFAULT_DRAFT_ARCHITECTURE
+        self.architecture = draft_architecture(self.draft_hf_config)
         self.model: nn.Module | None = None
         self.load_report: LoadReport | None = None
         self.tap_ids: list[int] = []
         self.resident_taps: list[int] = []
         self.tap_buffers: list[torch.Tensor] = []
         self.capture: TapCapture | None = None
+        self.block_graphs: BlockPassGraphs | None = None
         self.own_parameter_bytes = 0
         self.shared_parameter_bytes = 0
 
@@ -119,7 +121,8 @@ class Drafter:
 
     def _arm_aux_capture(self, target_base: nn.Module) -> None:
         self.tap_ids = list(self.model.tap_ids)
-        weight = self.model.context_proj.weight
+        # Tap buffers take the draft's device and dtype.
+        weight = next(self.model.parameters())
         self.tap_buffers = allocate_tap_buffers(
             len(self.tap_ids),
             self.config.max_num_batched_tokens,
@@ -137,6 +140,14 @@ class Drafter:
         self.capture = TapCapture(target_base, buffers)
 
     def _log_startup(self) -> None:
+        trained = getattr(self.model.config, "block_size", None)
+        if trained is not None and trained != self.num_speculative_tokens:
+            logger.warning(
+                "%s was trained on blocks of %d rows; drafting %d per step",
+                self.architecture,
+                trained,
+                self.num_speculative_tokens,
+            )
         relayed = [t for t in self.tap_ids if t not in self.resident_taps]
         sharing = (
             "embedding + lm_head shared with the target"
@@ -179,54 +190,62 @@ class Drafter:
             taps, positions[:num_tokens], slot_mapping[:num_tokens]
         )
 
+    def capture_graphs(self, sizes: list[int], table_width: int) -> None:
+        """Capture the block pass for these batch sizes (CUDA; see cuda_graph.py)."""
+        self.block_graphs = BlockPassGraphs(
+            self.model,
+            sizes,
+            self.num_speculative_tokens,
+            table_width,
+            self.tap_buffers[0].device,
+        )
+
+    def _block_logits(
+        self, anchors: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor
+    ) -> torch.Tensor:
+        """Base logits [B, T, V] of the block pass: replayed when captured."""
+        if self.block_graphs is not None:
+            logits = self.block_graphs.run(anchors, positions, tables)
+            if logits is not None:
+                return logits
+        return self.model.block_forward(
+            anchors, positions, tables, self.num_speculative_tokens
+        )
+
     @torch.inference_mode()
     def propose(
         self,
-        anchor_ids: Sequence[int] | torch.Tensor,
-        anchor_positions: Sequence[int] | torch.Tensor,
-        block_tables: list[list[int]],
-        temperatures: Sequence[float],
-        top_ks: Sequence[int],
-        top_ps: Sequence[float],
-        generators: Sequence[torch.Generator | None],
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(drafts [B, T] long, q [B, T, V] fp32 or None when all greedy).
+        anchor_ids: torch.Tensor,
+        anchor_positions: torch.Tensor,
+        block_tables: torch.Tensor,
+        sampling: SamplingMetadata,
+    ) -> DraftOutput:
+        """The next T drafts of each sampled sequence, on the device.
 
-        anchor_positions[b] is the position the anchor token is committed at; its
-        drafts are for the next T positions.
+        anchor_ids [S] are the tokens just emitted (from the target's vocabulary,
+        which the draft shares), anchor_positions [S] the positions they are
+        committed at; the drafts are for the next T positions. block_tables [S, W]
+        cover each sequence's context rows. `sampling` holds the sequences'
+        settings and seeds in the same order.
         """
         if not self.will_propose:
             raise RuntimeError(
                 "a context-only producer writes context KV, never drafts"
             )
-        anchors = [int(a) for a in anchor_ids]
-        positions = [int(p) for p in anchor_positions]
-        num_seqs, width = len(anchors), self.num_speculative_tokens
-        if len(positions) != num_seqs or len(block_tables) != num_seqs:
+        num_seqs, width = anchor_ids.shape[0], self.num_speculative_tokens
+        if anchor_positions.shape[0] != num_seqs or block_tables.shape[0] != num_seqs:
             raise ValueError(
-                f"{num_seqs} anchors, {len(positions)} positions and "
-                f"{len(block_tables)} block tables must agree"
+                f"{num_seqs} anchors, {anchor_positions.shape[0]} positions and "
+                f"{block_tables.shape[0]} block tables must agree"
             )
-        device = self.tap_buffers[0].device
         if num_seqs == 0:
-            return torch.empty(0, width, dtype=torch.long, device=device), None
-        bad = [a for a in anchors if not 0 <= a < self.model.vocab_size]
-        if bad:
-            raise ValueError(
-                f"anchor ids {bad} lie outside the vocabulary [0, "
-                f"{self.model.vocab_size})"
-            )
-        anchor_tensor = torch.tensor(anchors, dtype=torch.long, device=device)
-        position_tensor = torch.tensor(positions, dtype=torch.long, device=device)
-        base_logits = self.model.block_forward(
-            anchor_tensor, position_tensor, block_tables, width
-        )
+            empty = torch.empty(0, width, dtype=torch.long, device=anchor_ids.device)
+            return DraftOutput(empty, None)
+        base_logits = self._block_logits(anchor_ids, anchor_positions, block_tables)
         return markov_decode(
             base_logits,
-            anchor_tensor,
+            anchor_ids,
+            anchor_positions,
             self.model.markov_bias,
-            temperatures,
-            top_ks,
-            top_ps,
-            generators,
+            sampling,
         )

@@ -1,9 +1,29 @@
-"""Tokenizer loading for model folders."""
+"""Tokenizer loading for model folders, and the engine's choice of tokenizer."""
 
 from __future__ import annotations
 
+import os
+
 from transformers import AutoTokenizer
 from transformers.utils import logging as hf_logging
+
+# Any one of these makes a folder loadable by AutoTokenizer (fast, sentencepiece,
+# BPE/WordPiece vocabularies, Kimi's tiktoken).
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "tiktoken.model",
+    "vocab.json",
+    "vocab.txt",
+    "spiece.model",
+)
+
+
+TEXT_NEEDS_TOKENIZER = (
+    "text prompts need a tokenizer, and this engine runs with --skip-tokenizer-init "
+    "(skip_tokenizer_init=True): send the prompt as token ids"
+)
 
 
 def load_tokenizer(path: str, trust_remote_code: bool = False):
@@ -15,3 +35,45 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
         return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     finally:
         hf_logging.set_verbosity(verbosity)
+
+
+def apply_chat_template(tokenizer, messages: list[dict]) -> str:
+    """The prompt for `messages`: the tokenizer's chat template, or plain
+    `role: content` lines when it has none."""
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
+    lines = [f"{m.get('role', 'user')}: {m.get('content', '')}" for m in messages]
+    return "\n".join(lines) + "\nassistant:"
+
+
+def has_tokenizer_files(folder: str) -> bool:
+    return any(os.path.isfile(os.path.join(folder, name)) for name in TOKENIZER_FILES)
+
+
+def engine_tokenizer(model: str, tokenizer: str | None, skip_tokenizer_init: bool):
+    """The tokenizer an engine encodes prompts and decodes outputs with: `tokenizer`
+    if given, else the model folder's; None under `skip_tokenizer_init`, where the
+    engine takes token-id prompts and returns token ids only."""
+    if skip_tokenizer_init:
+        if tokenizer is not None:
+            raise ValueError(
+                f"--tokenizer {tokenizer!r} and --skip-tokenizer-init exclude each "
+                "other: drop one"
+            )
+        return None
+    path = tokenizer or model
+    if os.path.isdir(path) and not has_tokenizer_files(path):
+        if tokenizer is not None:
+            raise ValueError(
+                f"--tokenizer {path!r} holds no tokenizer files (one of "
+                f"{', '.join(TOKENIZER_FILES)})"
+            )
+        raise ValueError(
+            f"model folder {path!r} has no tokenizer files (one of "
+            f"{', '.join(TOKENIZER_FILES)}): pass --tokenizer PATH (LLMEngine: "
+            "tokenizer=PATH) to load one from elsewhere, or --skip-tokenizer-init "
+            "(skip_tokenizer_init=True) to take token-id prompts and return token ids"
+        )
+    return load_tokenizer(path)

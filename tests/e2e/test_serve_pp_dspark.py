@@ -12,7 +12,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,20 +20,16 @@ from pathlib import Path
 import httpx
 import pytest
 
+from atom.distributed.rank_process import free_port
 from atom.sampling_params import SamplingParams
 from tests.e2e.pp_probe import make_engine, one_torch_thread
+from tests.process_helpers import child_pids, is_running
 
 PROMPT = "List all prime numbers below 30."
 MESSAGES = [{"role": "user", "content": "1+2+3=?"}]
 MAX_TOKENS = 12
 STARTUP_TIMEOUT_S = 300
 SHUTDOWN_TIMEOUT_S = 60
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def serve_command(port: int) -> list[str]:
@@ -46,22 +41,6 @@ def serve_command(port: int) -> list[str]:
         "--num-speculative-tokens", "7", "--server-port", str(port),
         "--host", "127.0.0.1", "--device", "cpu",
     ]  # fmt: skip
-
-
-def child_pids(pid: int) -> list[int]:
-    children = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        text = (task / "children").read_text().split()
-        children += [int(c) for c in text]
-    return children
-
-
-def is_running(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return False
-    return state != "Z"
 
 
 def wait_healthy(proc: subprocess.Popen, url: str, log: Path) -> None:

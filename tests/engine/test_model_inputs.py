@@ -23,11 +23,28 @@ def test_rows_positions_slots_and_metadata():
     assert positions.tolist() == [2, 3, 4, 6, 7, 8]
     assert md.slot_mapping.tolist() == [22, 23, 36, 2, 3, 24]
     assert md.slot_mapping.dtype == torch.long
-    assert md.query_start_loc == [0, 3, 6]
-    assert md.context_lens == [2, 6] and md.state_slots == [1, 0]
-    assert md.block_tables == [[5, 9], [3, 0, 6]]
-    assert md.verify == [False, True]
-    assert md.rows(1) == slice(3, 6)
+    assert md.query_start_loc.tolist() == [0, 3, 6]
+    assert md.context_lens.tolist() == [2, 6] and md.state_slots.tolist() == [1, 0]
+    # Tables are padded with block 0 (read under a mask, never written).
+    assert md.block_tables.tolist() == [[5, 9, 0], [3, 0, 6]]
+    assert md.keeps_row_states and not md.all_fresh and md.query_len == 3
+    assert md.query_positions.tolist() == [[2, 3, 4], [6, 7, 8]]
+
+
+def test_ragged_rows_pad_and_unpad():
+    seqs = [
+        seq(1, [5, 6, 7], 0, [0], slot=0),
+        seq(2, [8], 4, [1, 2], slot=1),
+        seq(3, [9, 1], 0, [3], slot=2),
+    ]
+    ids, _, md = prepare_inputs(seqs, block_size=4, device="cpu")
+    assert md.query_len == 0 and md.max_query_len == 3 and not md.all_fresh
+    assert md.fresh.tolist() == [True, False, True]
+    padded = md.pad(ids)
+    assert padded.tolist() == [[5, 6, 7], [8, 0, 0], [9, 1, 0]]
+    assert torch.equal(md.unpad(padded), ids)
+    rows = torch.arange(12.0).view(6, 2)
+    assert torch.equal(md.unpad(md.pad(rows)), rows)
 
 
 @pytest.mark.parametrize(

@@ -3,20 +3,22 @@ import math
 import pytest
 import torch
 
-from atom.model_ops.sampler import Sampler, probs_for
+from atom.model_ops.sampler import (
+    draw_tokens,
+    exponential_race,
+    probs_for,
+    sample_tokens,
+)
+from atom.model_ops.sampling_metadata import SamplingMetadata
 
 
 def log_probs(*values: float) -> torch.Tensor:
     return torch.tensor([[math.log(v) for v in values]])
 
 
-def seeded(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
 def test_greedy_takes_the_lowest_index_on_ties():
     logits = torch.tensor([[1.0, 3.0, 3.0, 0.0], [5.0, 5.0, 5.0, 5.0]])
-    tokens = Sampler().sample(logits, [0.0, 0.0], [-1, -1], [1.0, 1.0], [None, None])
+    tokens = sample_tokens(logits, SamplingMetadata.build([0.0, 0.0]))
     assert tokens.tolist() == [1, 0]
     one_hot = probs_for(logits, 0.0)
     assert one_hot.tolist() == [[0, 1, 0, 0], [1, 0, 0, 0]]
@@ -71,35 +73,75 @@ def test_per_row_settings():
 
 
 def test_seeded_requests_are_reproducible_whatever_the_batch():
-    logits = torch.randn(3, 32, generator=seeded(0))
-    sampler = Sampler()
+    logits = torch.randn(3, 32, generator=torch.Generator().manual_seed(0))
 
-    def draw(rows, seeds):
-        gens = [seeded(s) for s in seeds]
-        return [
-            sampler.sample(logits[rows], [1.0] * len(rows), -1, 1.0, gens).tolist()
-            for _ in range(20)
-        ]
+    def draw(rows, seeds, position):
+        sampling = SamplingMetadata.build(
+            [1.0] * len(rows), seeds=seeds, positions=position
+        )
+        return sample_tokens(logits[rows], sampling).tolist()
 
-    alone = [step[0] for step in draw([1], [7])]
-    batched = [step[1] for step in draw([0, 1, 2], [3, 7, 9])]
+    alone = [draw([1], [7], p)[0] for p in range(20)]
+    batched = [draw([0, 1, 2], [3, 7, 9], p)[1] for p in range(20)]
     assert alone == batched
-    other_seed = [step[0] for step in draw([1], [8])]
-    assert other_seed != alone
+    assert [draw([1], [8], p)[0] for p in range(20)] != alone
 
 
 def test_draws_stay_in_the_filtered_set_and_follow_it():
-    logits = log_probs(0.1, 0.4, 0.2, 0.3).repeat(4000, 1)
-    gens = [seeded(i) for i in range(4000)]
-    tokens = Sampler().sample(logits, 1.0, 2, 1.0, gens)
+    num = 4000
+    logits = log_probs(0.1, 0.4, 0.2, 0.3).repeat(num, 1)
+    sampling = SamplingMetadata.build([1.0] * num, top_ks=2, seeds=list(range(num)))
+    tokens = sample_tokens(logits, sampling)
     counts = torch.bincount(tokens, minlength=4).tolist()
     assert counts[0] == counts[2] == 0
-    assert abs(counts[1] / 4000 - 4 / 7) < 0.03
+    assert abs(counts[1] / num - 4 / 7) < 0.03
+
+
+def test_top_p_draws_follow_the_renormalised_head():
+    num = 20000
+    logits = log_probs(0.1, 0.4, 0.2, 0.3).repeat(num, 1)
+    sampling = SamplingMetadata.build(
+        [1.0] * num, top_ps=0.75, seeds=7, positions=list(range(num))
+    )
+    counts = torch.bincount(sample_tokens(logits, sampling), minlength=4).double()
+    expected = torch.tensor([0, 0.4, 0.2, 0.3], dtype=torch.float64) / 0.9 * num
+    assert counts[0] == 0
+    # chi-square, 2 degrees of freedom: 0.9999 quantile 18.42 (fixed seeds).
+    keep = expected > 0
+    assert float(((counts - expected)[keep] ** 2 / expected[keep]).sum()) < 18.42
+
+
+def test_exponential_race_needs_no_normalising_and_skips_zero_weights():
+    num = 20000
+    weights = torch.tensor([[0.0, 3.0, 1.0, 0.0]]).repeat(num, 1)
+    seeds = torch.arange(num)
+    tokens = draw_tokens(weights, seeds, torch.zeros(num, dtype=torch.long), 3)
+    counts = torch.bincount(tokens, minlength=4).tolist()
+    assert counts[0] == counts[3] == 0
+    assert abs(counts[1] / num - 0.75) < 0.015
+    # Ties between equal keys go to the lowest index.
+    unit = torch.full((1, 4), 0.5)
+    assert exponential_race(torch.tensor([[0.0, 1.0, 1.0, 0.5]]), unit).tolist() == [1]
 
 
 def test_greedy_and_sampled_rows_mix():
     logits = torch.tensor([[0.0, 9.0, 0.0], [0.0, 0.0, 0.0]])
-    tokens = Sampler().sample(logits, [0.0, 1.0], -1, 1.0, [None, seeded(1)])
+    sampling = SamplingMetadata.build([0.0, 1.0], seeds=[None, 1])
+    tokens = sample_tokens(logits, sampling)
     assert tokens[0] == 1 and 0 <= tokens[1] < 3
-    with pytest.raises(ValueError, match="generators"):
-        Sampler().sample(logits, 1.0, -1, 1.0, [None])
+    with pytest.raises(ValueError, match="logits must be"):
+        sample_tokens(logits[:1], sampling)
+
+
+def test_sampling_metadata_refuses_bad_settings():
+    with pytest.raises(ValueError, match="without a seed"):
+        SamplingMetadata.build([0.0, 0.5], seeds=[None, None])
+    with pytest.raises(ValueError, match="temperatures"):
+        SamplingMetadata.build([-0.5], seeds=[1])
+    with pytest.raises(ValueError, match="top_ps"):
+        SamplingMetadata.build([0.5], top_ps=0.0, seeds=[1])
+    with pytest.raises(ValueError, match="seeds: 1 values for 2"):
+        SamplingMetadata.build([0.5, 0.5], seeds=[1])
+    flags = SamplingMetadata.build([0.0, 1.0], top_ks=[5, -1], seeds=[None, 1])
+    # Only sampled rows count: a greedy row's top-k never costs a sort.
+    assert not flags.uses_top_k and not flags.uses_top_p and not flags.all_greedy

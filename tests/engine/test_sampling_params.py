@@ -26,9 +26,19 @@ def test_defaults_and_stop_strings():
         ({"stop": [1]}, TypeError, "stop must be"),
         ({"stop": [""]}, ValueError, "empty string"),
         ({"seed": "7"}, TypeError, "seed"),
+        ({"seed": True}, TypeError, "seed"),
+        ({"seed": 2**64}, ValueError, r"seed must be an integer in \[0, 2\*\*63 - 1\]"),
+        ({"seed": 2**63}, ValueError, "seed"),
+        ({"seed": -1}, ValueError, "seed"),
+        ({"n": "1"}, TypeError, "n must be an int"),
         ({"n": 2}, ValueError, "only n=1 is supported"),
     ],
 )
 def test_bad_values_name_the_field(kwargs, error, message):
     with pytest.raises(error, match=message):
         SamplingParams(**kwargs)
+
+
+def test_seed_bounds_are_accepted():
+    assert SamplingParams(seed=0).seed == 0
+    assert SamplingParams(seed=2**63 - 1).seed == 2**63 - 1

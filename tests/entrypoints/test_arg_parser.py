@@ -67,6 +67,12 @@ def test_store_true_flags_gain_a_no_form():
     assert parser.parse_args(["--loud_mode", "--no-loud-mode"]).loud_mode is False
 
 
+def test_cuda_graph_flags():
+    args = parse_engine_args("--cudagraph-capture-sizes", "[1,2,8]", "--enforce-eager")
+    assert args.cudagraph_capture_sizes == [1, 2, 8] and args.enforce_eager
+    assert parse_engine_args().cudagraph_capture_sizes is None
+
+
 def test_short_parallel_flags():
     args = parse_engine_args("-tp", "4", "-pp", "2", "--pp_layer_partition", "3,2")
     assert (args.tensor_parallel_size, args.pipeline_parallel_size) == (4, 2)
@@ -81,7 +87,7 @@ def test_short_parallel_flags():
         (["--data-parallel-size", "2"], "--data-parallel-size is not supported"),
         (["-dp", "2"], "-dp is not supported by atom"),
         (["--kv_cache_dtype", "fp8"], "--kv-cache-dtype is not supported by atom"),
-        (["--cudagraph-capture-sizes", "[1,2]"], "--cudagraph-capture-sizes is not"),
+        (["--cudagraph-mode", "FULL"], "--cudagraph-mode is not supported"),
         (["--port", "8000"], "use --server-port"),
     ],
 )
@@ -101,6 +107,8 @@ def test_unsupported_flags_are_rejected_by_name(argv, message, capsys):
         (["--pp-layer-partition", "3,x"], "comma list of integers"),
         (["--pp-layer-partition", "3,0"], "at least one layer"),
         (["--method", "medusa"], "invalid choice"),
+        (["--cudagraph-capture-sizes", "[1,x]"], "list of integers"),
+        (["--cudagraph-capture-sizes", "[0]"], "positive integers"),
     ],
 )
 def test_bad_values_fail_with_a_message(argv, message, capsys):
@@ -165,10 +173,11 @@ def test_server_parser_has_server_and_engine_flags():
         ]
     )
     assert (args.host, args.server_port, args.timeout_keep_alive) == (
-        "0.0.0.0",
+        "127.0.0.1",
         9001,
         5,
     )
+    assert args.api_key is None and args.max_request_body_bytes == 8 * 1024 * 1024
     assert args.served_model_name == "kimi"
     assert args.default_chat_template_kwargs == {"thinking": False}
     assert args.disable_uvicorn_access_log is True
@@ -195,3 +204,38 @@ def test_atom_console_script_subcommands():
     assert (generate.max_tokens, generate.temperature) == (5, 0.0)
     assert EngineArgs.from_cli_args(generate).tensor_parallel_size == 2
     assert isinstance(generate, argparse.Namespace)
+
+
+def subcommand_parsers() -> dict[str, argparse.ArgumentParser]:
+    commands = next(
+        action
+        for action in make_parser()._actions
+        if isinstance(action, argparse._SubParsersAction)
+    )
+    return dict(commands.choices)
+
+
+@pytest.mark.parametrize("command", ["serve", "generate"])
+def test_every_option_has_help_and_shows_its_default(command):
+    parser = subcommand_parsers()[command]
+    formatter = parser._get_formatter()
+    for action in parser._actions:
+        if isinstance(action, argparse._HelpAction) or action.help == argparse.SUPPRESS:
+            continue
+        assert action.help, f"{action.option_strings} has no help text"
+        assert "(default: " in formatter._expand_help(action), action.option_strings
+
+
+@pytest.mark.parametrize("seed", ["1e23", str(2**64), str(2**63), "-1", "seven"])
+def test_seed_out_of_range_is_a_clean_parse_error(seed, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        make_parser().parse_args(["generate", "--seed", seed])
+    assert exit_info.value.code == 2
+    assert "--seed: expected an integer in [0, 2**63 - 1]" in capsys.readouterr().err
+
+
+def test_largest_seed_and_api_key_parse():
+    args = make_parser().parse_args(["generate", "--seed", str(2**63 - 1)])
+    assert args.seed == 2**63 - 1
+    serve = make_parser().parse_args(["serve", "--api-key", "k", "--host", "0.0.0.0"])
+    assert (serve.api_key, serve.host) == ("k", "0.0.0.0")

@@ -62,3 +62,20 @@ def test_generate_with_dspark_reports_acceptance():
     )
     assert out.count("Completion: ") == 3
     assert "[MTP Stats" in out
+
+
+def test_bad_sampling_values_are_clean_errors():
+    for flags, message in [
+        (["--seed", str(10**23)], "--seed: expected an integer in [0, 2**63 - 1]"),
+        (["--seed", "1e23"], "--seed: expected an integer"),
+        (["--top-k", "0"], "top_k must be -1 (off) or >= 1"),
+    ]:
+        done = subprocess.run(
+            [sys.executable, "-m", "atom.entrypoints.cli", "generate", *flags],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
+        assert done.returncode != 0 and message in done.stderr, done.stderr
+        assert "Traceback" not in done.stderr

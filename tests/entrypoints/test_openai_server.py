@@ -3,91 +3,25 @@
 import asyncio
 import json
 import signal
-import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
+from tests.entrypoints.server_helpers import REPO_ROOT, Server
+
 MODEL = "tiny-kimi-k3"
-REPO_ROOT = Path(__file__).resolve().parents[2]
-STARTUP_TIMEOUT_S = 180
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class Server:
-    def __init__(self, process: subprocess.Popen, base_url: str, log_path: Path):
-        self.process = process
-        self.base_url = base_url
-        self.log_path = log_path
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def get(self, path: str) -> httpx.Response:
-        return httpx.get(self.base_url + path, timeout=30)
-
-    def post(self, path: str, body: dict | str) -> httpx.Response:
-        if isinstance(body, str):
-            return httpx.post(self.base_url + path, content=body, timeout=120)
-        return httpx.post(self.base_url + path, json=body, timeout=120)
-
-    def metric(self, name: str) -> float:
-        for line in self.get("/metrics").text.splitlines():
-            if line.startswith(f"atom:{name}{{"):
-                return float(line.rsplit(" ", 1)[1])
-        raise AssertionError(f"atom:{name} missing from /metrics")
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    port = free_port()
     log_path = tmp_path_factory.mktemp("server") / "server.log"
-    command = [
-        sys.executable,
-        "-m",
-        "atom.entrypoints.openai_server",
-        "--model",
-        MODEL,
-        "--server-port",
-        str(port),
-        "--host",
-        "127.0.0.1",
-        "--device",
-        "cpu",
-        "--log-stats-interval",
-        "1",
-    ]
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(
-            command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT
-        )
-    running = Server(process, f"http://127.0.0.1:{port}", log_path)
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while True:
-        if process.poll() is not None:
-            pytest.fail(f"server exited with {process.returncode}:\n{running.log()}")
-        try:
-            if running.get("/health").status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            process.kill()
-            pytest.fail(f"server never became healthy:\n{running.log()}")
-        time.sleep(0.5)
+    flags = ["--model", MODEL, "--host", "127.0.0.1", "--log-stats-interval", "1"]
+    running = Server(flags, log_path).wait_healthy()
     yield running
-    if process.poll() is None:
-        process.kill()
-        process.wait()
+    running.stop()
 
 
 def sse_payloads(body: str) -> list:

@@ -35,6 +35,17 @@ def validation_message(model, body: dict) -> str:
         ({"max_tokens": 4}, "prompt: Field required"),
         ({"prompt": "hi", "echo": True}, "echo is not supported"),
         ({"prompt": "hi", "logprobs": 5}, "logprobs are not supported"),
+        ({"prompt": "hi", "max_tokens": "5"}, "max_tokens: Input should be a valid"),
+        ({"prompt": "hi", "max_tokens": True}, "max_tokens: Input should be a valid"),
+        ({"prompt": "hi", "n": True}, "n: Input should be a valid integer"),
+        ({"prompt": "hi", "top_k": "5"}, "top_k: Input should be a valid integer"),
+        ({"prompt": "hi", "seed": "5"}, "seed: Input should be a valid integer"),
+        ({"prompt": "hi", "seed": 2**64}, "seed: Value error, seed must be an"),
+        ({"prompt": "hi", "seed": -1}, "[0, 2**63 - 1]"),
+        ({"prompt": "hi", "temperature": True}, "temperature: Input should be a"),
+        ({"prompt": "hi", "top_p": "0.5"}, "top_p: Input should be a valid number"),
+        ({"prompt": "hi", "ignore_eos": "yes"}, "ignore_eos: Input should be a"),
+        ({"prompt": [1, True]}, "prompt"),
     ],
 )
 def test_completion_request_errors_name_the_field(body, expected):

@@ -31,8 +31,9 @@ def make_inputs(tokens: int, with_state: bool, lower_bound: float | None, seed=0
     dt_bias = randn(HEADS * KEY_DIM) * 0.5
     g = kda_forget_gate(randn(tokens, HEADS, KEY_DIM), a_log, dt_bias, lower_bound)
     beta = torch.rand(tokens, HEADS, generator=gen)
-    state = randn(HEADS, VALUE_DIM, KEY_DIM) if with_state else None
-    return q, k, v, g, beta, state
+    state = randn(1, HEADS, VALUE_DIM, KEY_DIM) if with_state else None
+    # The math runs on batches: one sequence of `tokens` rows.
+    return q[None], k[None], v[None], g[None], beta[None], state
 
 
 def assert_close_relative(actual, expected, tol):
@@ -47,8 +48,8 @@ def test_chunk_matches_token_loop(tokens, with_state, lower_bound):
     inputs = make_inputs(tokens, with_state, lower_bound)
     o_ref, state_ref = recurrent_kda(*inputs)
     o, state = chunk_kda(*inputs)
-    assert o.dtype == torch.float32 and o.shape == (tokens, HEADS, VALUE_DIM)
-    assert state.shape == (HEADS, VALUE_DIM, KEY_DIM)
+    assert o.dtype == torch.float32 and o.shape == (1, tokens, HEADS, VALUE_DIM)
+    assert state.shape == (1, HEADS, VALUE_DIM, KEY_DIM)
     assert_close_relative(o, o_ref, 1e-5)
     assert_close_relative(state, state_ref, 1e-5)
 
@@ -65,8 +66,8 @@ def test_chunk_size_does_not_change_result(chunk_size):
 def test_chunk_is_stable_under_very_strong_decay():
     q, k, v, _, beta, state = make_inputs(100, True, None, seed=2)
     # Cumulative decay reaches -20000 inside one chunk: naive exp(-G) would overflow.
-    g = torch.full((100, HEADS, KEY_DIM), -300.0)
-    g[::3] = -1e-3
+    g = torch.full((1, 100, HEADS, KEY_DIM), -300.0)
+    g[:, ::3] = -1e-3
     o, final = chunk_kda(q, k, v, g, beta, state)
     o_ref, final_ref = recurrent_kda(q, k, v, g, beta, state)
     assert torch.isfinite(o).all() and torch.isfinite(final).all()
@@ -77,9 +78,10 @@ def test_chunk_is_stable_under_very_strong_decay():
 def test_prefill_in_pieces_equals_one_call():
     q, k, v, g, beta, state = make_inputs(90, True, -5.0, seed=3)
     o_full, final_full = chunk_kda(q, k, v, g, beta, state)
-    o_a, mid = chunk_kda(q[:37], k[:37], v[:37], g[:37], beta[:37], state)
-    o_b, final = chunk_kda(q[37:], k[37:], v[37:], g[37:], beta[37:], mid)
-    assert_close_relative(torch.cat([o_a, o_b]), o_full, 1e-5)
+    head, tail = (slice(None), slice(None, 37)), (slice(None), slice(37, None))
+    o_a, mid = chunk_kda(q[head], k[head], v[head], g[head], beta[head], state)
+    o_b, final = chunk_kda(q[tail], k[tail], v[tail], g[tail], beta[tail], mid)
+    assert_close_relative(torch.cat([o_a, o_b], dim=1), o_full, 1e-5)
     assert_close_relative(final, final_full, 1e-5)
 
 
@@ -92,23 +94,26 @@ def test_recurrent_matches_transformers_token_loop():
     )
     q, k, v, g, beta, state = make_inputs(12, True, None, seed=4)
     o_ref, state_ref = modeling.recurrent_kimi_delta_attention(
-        q[None], k[None], v[None], g[None], beta[None],
-        initial_state=state.transpose(1, 2)[None],  # transformers keeps [h, Dk, Dv]
+        q, k, v, g, beta,
+        initial_state=state.transpose(2, 3),  # transformers keeps [h, Dk, Dv]
         output_final_state=True,
     )  # fmt: skip
     o, final = recurrent_kda(q, k, v, g, beta, state)
-    assert_close_relative(o, o_ref[0], 1e-5)
-    assert_close_relative(final, state_ref[0].transpose(1, 2), 1e-5)
+    assert_close_relative(o, o_ref, 1e-5)
+    assert_close_relative(final, state_ref.transpose(2, 3), 1e-5)
 
 
 def test_all_states_are_prefix_states():
     inputs = make_inputs(6, True, -5.0, seed=5)
     o, final, all_states = recurrent_kda(*inputs, return_all_states=True)
-    assert all_states.shape == (6, HEADS, VALUE_DIM, KEY_DIM)
-    assert torch.equal(all_states[-1], final)
+    assert all_states.shape == (1, 6, HEADS, VALUE_DIM, KEY_DIM)
+    assert torch.equal(all_states[:, -1], final)
     q, k, v, g, beta, state = inputs
-    _, after_three = recurrent_kda(q[:3], k[:3], v[:3], g[:3], beta[:3], state)
-    torch.testing.assert_close(all_states[2], after_three)
+    three = (slice(None), slice(None, 3))
+    _, after_three = recurrent_kda(
+        q[three], k[three], v[three], g[three], beta[three], state
+    )
+    torch.testing.assert_close(all_states[:, 2], after_three)
     o_plain, _ = recurrent_kda(*inputs)
     torch.testing.assert_close(o, o_plain)
 
@@ -123,7 +128,7 @@ def test_caller_state_is_not_modified():
 
 def test_state_layout_is_checked():
     q, k, v, g, beta, _ = make_inputs(3, False, -5.0)
-    key_first = torch.zeros(HEADS, KEY_DIM, VALUE_DIM)
+    key_first = torch.zeros(1, HEADS, KEY_DIM, VALUE_DIM)
     with pytest.raises(ValueError, match="value-first"):
         chunk_kda(q, k, v, g, beta, key_first)
 
@@ -168,51 +173,80 @@ def test_gate_rejects_bad_shapes():
 
 
 def direct_conv(x, weight, state):
+    """One sequence: x [T, C], state [C, K-1]."""
     padded = torch.cat([state.t(), x], dim=0).t().unsqueeze(0)
     return F.silu(F.conv1d(padded, weight.unsqueeze(1), groups=x.shape[1]))[0].t()
 
 
 def test_causal_conv_matches_conv1d_over_state_and_input():
     gen = torch.Generator().manual_seed(8)
-    x = torch.randn(7, 6, generator=gen)
+    x = torch.randn(1, 7, 6, generator=gen)
     weight = torch.randn(6, 4, generator=gen)
-    state = torch.randn(6, 3, generator=gen)
+    state = torch.randn(1, 6, 3, generator=gen)
     y, new_state = causal_conv1d(x, weight, state)
-    torch.testing.assert_close(y, direct_conv(x, weight, state))
-    torch.testing.assert_close(new_state, x[-3:].t())
+    torch.testing.assert_close(y[0], direct_conv(x[0], weight, state[0]))
+    torch.testing.assert_close(new_state[0], x[0, -3:].t())
     y0, _ = causal_conv1d(x, weight.unsqueeze(1), None)  # checkpoint [C, 1, K] form
-    torch.testing.assert_close(y0, direct_conv(x, weight, torch.zeros(6, 3)))
+    torch.testing.assert_close(y0[0], direct_conv(x[0], weight, torch.zeros(6, 3)))
 
 
 def test_causal_conv_in_pieces_equals_one_call():
     gen = torch.Generator().manual_seed(9)
-    x = torch.randn(9, 5, generator=gen)
+    x = torch.randn(1, 9, 5, generator=gen)
     weight = torch.randn(5, 4, generator=gen)
     y_full, state_full = causal_conv1d(x, weight)
     pieces, state = [], None
     for rows in (slice(0, 1), slice(1, 3), slice(3, 4), slice(4, 9)):
-        y, state = causal_conv1d(x[rows], weight, state)
+        y, state = causal_conv1d(x[:, rows], weight, state)
         pieces.append(y)
-    torch.testing.assert_close(torch.cat(pieces), y_full)
+    torch.testing.assert_close(torch.cat(pieces, dim=1), y_full)
     torch.testing.assert_close(state, state_full)
 
 
+def test_causal_conv_of_a_padded_batch_equals_each_sequence_alone():
+    gen = torch.Generator().manual_seed(12)
+    weight = torch.randn(5, 4, generator=gen)
+    states = torch.randn(2, 5, 3, generator=gen)
+    lengths = [6, 2]
+    x = torch.randn(2, 6, 5, generator=gen)
+    x[1, 2:] = 0  # padding rows
+    y, new_states = causal_conv1d(x, weight, states, torch.tensor(lengths))
+    for b, length in enumerate(lengths):
+        alone, alone_state = causal_conv1d(
+            x[b : b + 1, :length], weight, states[b : b + 1]
+        )
+        torch.testing.assert_close(y[b, :length], alone[0])
+        torch.testing.assert_close(new_states[b], alone_state[0])
+
+
+def test_padded_rows_leave_the_recurrent_state_untouched():
+    q, k, v, g, beta, state = make_inputs(9, True, -5.0, seed=13)
+    padded = [t.clone() for t in (q, k, v, g, beta)]
+    padded[3][:, 5:] = 0  # g = 0: no decay
+    padded[4][:, 5:] = 0  # beta = 0: no write
+    short = (slice(None), slice(None, 5))
+    _, expected = recurrent_kda(*(t[short] for t in (q, k, v, g, beta)), state)
+    for kernel in (recurrent_kda, chunk_kda):
+        _, final = kernel(*padded, state)
+        assert_close_relative(final, expected, 1e-5)
+
+
 def test_causal_conv_keeps_input_dtype():
-    x = torch.randn(4, 3).bfloat16()
-    y, state = causal_conv1d(x, torch.randn(3, 4), torch.zeros(3, 3).bfloat16())
+    x = torch.randn(1, 4, 3).bfloat16()
+    y, state = causal_conv1d(x, torch.randn(3, 4), torch.zeros(1, 3, 3).bfloat16())
     assert y.dtype == torch.bfloat16 and state.dtype == torch.bfloat16
 
 
 def test_conv_state_after_each_row_matches_splitting():
     gen = torch.Generator().manual_seed(10)
-    x = torch.randn(5, 4, generator=gen)
-    start = torch.randn(4, 3, generator=gen)
+    x = torch.randn(1, 5, 4, generator=gen)
+    start = torch.randn(1, 4, 3, generator=gen)
     weight = torch.randn(4, 4, generator=gen)
     per_row = conv_state_after_each_row(x, start)
-    assert per_row.shape == (5, 4, 3)
+    assert per_row.shape == (1, 5, 4, 3)
     for j in range(5):
-        _, expected = causal_conv1d(x[: j + 1], weight, start)
-        torch.testing.assert_close(per_row[j], expected)
+        _, expected = causal_conv1d(x[:, : j + 1], weight, start)
+        torch.testing.assert_close(per_row[:, j], expected)
 
 
 def test_output_norm_gate_matches_explicit_computation():

@@ -1,6 +1,8 @@
 import pytest
 import torch
 
+from atom.model_engine.batch import SeqWork
+from atom.model_engine.model_inputs import prepare_inputs
 from atom.model_ops.kda import chunk_kda, l2_normalize, recurrent_kda
 from atom.model_ops.kda_backend import (
     BACKEND_ENV_VAR,
@@ -8,6 +10,7 @@ from atom.model_ops.kda_backend import (
     fla_available,
     select_kda_backend,
 )
+from atom.utils.forward_context import AttentionMetadata
 
 
 def test_cpu_gets_torch_backend(monkeypatch):
@@ -32,16 +35,30 @@ def test_unknown_backend_names_allowed_values(monkeypatch):
         select_kda_backend("cpu", choice="cuda")
 
 
+def uniform_metadata(num_seqs: int, rows: int, device: str) -> AttentionMetadata:
+    """Metadata of `num_seqs` fresh sequences of `rows` rows each (what fla reads)."""
+    works = [
+        SeqWork(
+            seq_id=i, token_ids=[0] * rows, context_len=0, block_table=[0],
+            state_slot=i, sample=True, num_spec_tokens=0, temperature=0.0,
+            top_k=0, top_p=1.0, seed=None,
+        )
+        for i in range(num_seqs)
+    ]  # fmt: skip
+    return prepare_inputs(works, rows, device)[2]
+
+
 def test_torch_backend_runs_chunked_prefill_and_token_decode():
     gen = torch.Generator().manual_seed(0)
-    q = l2_normalize(torch.randn(9, 2, 8, generator=gen))
-    k = l2_normalize(torch.randn(9, 2, 8, generator=gen))
-    v = torch.randn(9, 2, 4, generator=gen)
-    g = -torch.rand(9, 2, 8, generator=gen)
-    beta = torch.rand(9, 2, generator=gen)
-    state = torch.randn(2, 4, 8, generator=gen)
+    q = l2_normalize(torch.randn(2, 9, 2, 8, generator=gen))
+    k = l2_normalize(torch.randn(2, 9, 2, 8, generator=gen))
+    v = torch.randn(2, 9, 2, 4, generator=gen)
+    g = -torch.rand(2, 9, 2, 8, generator=gen)
+    beta = torch.rand(2, 9, 2, generator=gen)
+    state = torch.randn(2, 2, 4, 8, generator=gen)
     backend = select_kda_backend("cpu", choice="torch")
-    o, final = backend.prefill(q, k, v, g, beta, state)
+    metadata = uniform_metadata(2, 9, "cpu")
+    o, final = backend.prefill(q, k, v, g, beta, state, metadata)
     o_ref, final_ref = chunk_kda(q, k, v, g, beta, state)
     assert torch.equal(o, o_ref) and torch.equal(final, final_ref)
     _, _, snapshots = backend.decode(q, k, v, g, beta, state, return_all_states=True)
@@ -54,22 +71,28 @@ def test_torch_backend_runs_chunked_prefill_and_token_decode():
 )
 def test_fla_backend_matches_torch_on_cuda():
     gen = torch.Generator(device="cuda").manual_seed(0)
-    tokens, heads, dim = 150, 4, 64
+    seqs, tokens, heads, dim = 3, 150, 4, 64
 
     def randn(*shape):
         return torch.randn(*shape, generator=gen, device="cuda")
 
-    q, k = l2_normalize(randn(tokens, heads, dim)), l2_normalize(
-        randn(tokens, heads, dim)
-    )
-    v = randn(tokens, heads, dim)
-    g = -5.0 * torch.sigmoid(randn(tokens, heads, dim))
-    beta = torch.sigmoid(randn(tokens, heads))
-    state = randn(heads, dim, dim) * 0.1
+    q = l2_normalize(randn(seqs, tokens, heads, dim))
+    k = l2_normalize(randn(seqs, tokens, heads, dim))
+    v = randn(seqs, tokens, heads, dim)
+    g = -5.0 * torch.sigmoid(randn(seqs, tokens, heads, dim))
+    beta = torch.sigmoid(randn(seqs, tokens, heads))
+    state = randn(seqs, heads, dim, dim) * 0.1
     fla = select_kda_backend("cuda", choice="fla")
     reference = select_kda_backend("cuda", choice="torch")
-    for method in ("prefill", "decode"):
-        o, final = getattr(fla, method)(q, k, v, g, beta, state)
-        o_ref, final_ref = getattr(reference, method)(q, k, v, g, beta, state)
-        torch.testing.assert_close(o, o_ref, rtol=2e-3, atol=2e-3)
-        torch.testing.assert_close(final, final_ref, rtol=2e-3, atol=2e-3)
+    metadata = uniform_metadata(seqs, tokens, "cuda")
+    o, final = fla.prefill(q, k, v, g, beta, state, metadata)
+    o_ref, final_ref = reference.prefill(q, k, v, g, beta, state, metadata)
+    torch.testing.assert_close(o, o_ref, rtol=2e-3, atol=2e-3)
+    torch.testing.assert_close(final, final_ref, rtol=2e-3, atol=2e-3)
+    few = (slice(None), slice(None, 2))
+    o, final = fla.decode(q[few], k[few], v[few], g[few], beta[few], state)
+    o_ref, final_ref = reference.decode(
+        q[few], k[few], v[few], g[few], beta[few], state
+    )
+    torch.testing.assert_close(o, o_ref, rtol=2e-3, atol=2e-3)
+    torch.testing.assert_close(final, final_ref, rtol=2e-3, atol=2e-3)

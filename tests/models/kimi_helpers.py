@@ -11,6 +11,7 @@ from atom.model_engine.cache_engine import CacheEngine
 from atom.model_engine.model_inputs import prepare_inputs
 from atom.model_loader.loader import load_weights
 from atom.models.registry import get_model_class
+from atom.models.tiny.configs import k3_text_config
 from atom.models.utils import IntermediateTensors
 from atom.utils.forward_context import ForwardContext, set_forward_context
 
@@ -71,3 +72,45 @@ def forward_rows(
 @torch.inference_mode()
 def logits_of(model: nn.Module, seqs: list[SeqWork]) -> torch.Tensor:
     return model.compute_logits(forward_rows(model, seqs))
+
+
+@torch.no_grad()
+def randomize(model: nn.Module, seed: int) -> None:
+    """Seeded weights of a transformers Kimi model: O(1) activations, norms and
+    router bias away from their trivial init; A_log and dt_bias keep the FLA init."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        noise = torch.randn(tensor.shape, generator=gen)
+        if name.endswith(("A_log", "dt_bias")):
+            continue
+        if "norm" in name:
+            tensor.copy_(1.0 + 0.1 * noise)
+        elif name.endswith("e_score_correction_bias"):
+            tensor.copy_(0.05 * noise)
+        elif "embed_tokens" in name:
+            tensor.copy_(noise)
+        elif tensor.dim() >= 2:
+            tensor.copy_(noise / tensor.shape[-1] ** 0.5)
+
+
+def k3_full_size_text() -> dict:
+    """A K3 text config with the published schedule (93 layers, MLA at 1-based 4,
+    8, ..., 92 and 93, AttnRes blocks of 12) and head counts on tiny widths."""
+    text = k3_text_config()
+    full = list(range(4, 93, 4)) + [93]
+    text.update(
+        num_hidden_layers=93,
+        vocab_size=163840,
+        num_attention_heads=96,
+        num_key_value_heads=96,
+        intermediate_size=33792,
+        moe_intermediate_size=3072,
+        attn_res_block_size=12,
+    )
+    text["linear_attn_config"] = dict(
+        text["linear_attn_config"],
+        num_heads=96,
+        full_attn_layers=full,
+        kda_layers=[i for i in range(1, 94) if i not in full],
+    )
+    return text

@@ -9,27 +9,7 @@ from atom.distributed.parallel_state import build_parallel_state
 from atom.models.kimi_k3.config import KimiTextConfig
 from atom.models.kimi_k3.model import KimiLinearModel
 from atom.models.tiny.configs import k3_text_config, kimi_linear_config
-
-
-def k3_full_size_text() -> dict:
-    """The published K3 schedule: MLA at 1-based 4, 8, ..., 92 and 93."""
-    text = k3_text_config()
-    full = list(range(4, 93, 4)) + [93]
-    text.update(
-        num_hidden_layers=93,
-        vocab_size=163840,
-        num_attention_heads=96,
-        intermediate_size=33792,
-        moe_intermediate_size=3072,
-        attn_res_block_size=12,
-    )
-    text["linear_attn_config"] = dict(
-        text["linear_attn_config"],
-        num_heads=96,
-        full_attn_layers=full,
-        kda_layers=[i for i in range(1, 94) if i not in full],
-    )
-    return text
+from tests.models.kimi_helpers import k3_full_size_text
 
 
 def test_k3_schedule_is_zero_based():
@@ -69,7 +49,10 @@ def with_lac(**changes) -> dict:
         (with_lac(gate_lower_bound=-6.0), "gate_lower_bound=-6.0 lies outside"),
         (with_lac(gate_lower_bound=0.0), "gate_lower_bound=0.0 lies outside"),
         ({**k3_text_config(), "mla_use_nope": False}, "mla_use_nope: false"),
-        ({**k3_text_config(), "num_experts": 8, "n_routed_experts": 16}, "alias"),
+        (
+            {**k3_text_config(), "num_experts": 8, "n_routed_experts": 16},
+            "num_experts=8 and n_routed_experts=16, two spellings",
+        ),
     ],
 )
 def test_invalid_configs_are_rejected(text, message):
@@ -85,7 +68,10 @@ def test_lower_bound_edge_is_accepted():
     "changes, field",
     [
         ({"linear_attn_config": {"num_heads": 6}}, "linear_attn_config.num_heads=6"),
-        ({"num_attention_heads": 6}, "num_attention_heads=6"),
+        (
+            {"num_attention_heads": 6, "num_key_value_heads": 6},
+            "num_attention_heads=6",
+        ),
         ({"intermediate_size": 258}, "intermediate_size=258"),
         ({"moe_intermediate_size": 66}, "moe_intermediate_size=66"),
         ({"vocab_size": 1022}, "vocab_size=1022"),

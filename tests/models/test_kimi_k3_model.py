@@ -12,12 +12,15 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from atom.model_engine.model_inputs import SeqPadding, prepare_inputs
 from atom.model_loader.loader import WeightLoadingError
 from atom.models.kimi_k3.model import KimiK3ForConditionalGeneration
 from atom.models.registry import get_model_class
 from atom.models.tiny import resolve_model_path
 from atom.models.utils import language_model_of
+from atom.utils.forward_context import ForwardContext, set_forward_context
 from tests.models.kimi_helpers import (
+    BLOCK_SIZE,
     bind_caches,
     build_target,
     forward_rows,
@@ -127,14 +130,21 @@ def test_verify_snapshots_then_commit_equal_sequential(k3, num_rows):
     cache = bind_caches(model, spec_rows=4)
     prompt, verify_rows = PROMPT[:10], PROMPT[10:14]
     logits_of(model, [work(prompt, slot=0), work(prompt, slot=1, first_block=16)])
-    before = [(m.conv_state.clone(), m.ssm_state.clone()) for m in cache.state_layers]
+    untouched = [
+        (m.conv_state[1].clone(), m.ssm_state[1].clone()) for m in cache.state_layers
+    ]
 
     verified = logits_of(model, [work(verify_rows, 10, slot=0, num_spec_tokens=3)])
     torch.testing.assert_close(verified, golden(PROMPT[:14])[0][10:], **TOL)
-    for layer, (conv, ssm) in zip(cache.state_layers, before):
-        assert torch.equal(layer.conv_state, conv) and torch.equal(layer.ssm_state, ssm)
+    for layer, (conv, ssm) in zip(cache.state_layers, untouched):
+        # Only the verified slot moves: to the state after its last row, with every
+        # row's state kept in the snapshots for the commit to choose from.
+        assert torch.equal(layer.conv_state[1], conv) and torch.equal(
+            layer.ssm_state[1], ssm
+        )
+        assert torch.equal(layer.ssm_state[0], layer.ssm_snapshots[0, 3])
 
-    cache.commit(0, num_rows)
+    cache.commit([0], [num_rows])
     for offset, token in enumerate(verify_rows[:num_rows]):  # the sequential twin
         logits_of(model, [work([token], 10 + offset, slot=1, first_block=16)])
     for layer in cache.state_layers:
@@ -287,3 +297,49 @@ def test_tiny_kimi_linear_matches_golden():
     bind_caches(model)
     expected = GoldenModel.from_pretrained(config.model)(PROMPT)[0]
     torch.testing.assert_close(logits_of(model, [work(PROMPT)]), expected, **TOL)
+
+
+@pytest.mark.parametrize("num_spec", [0, 3])
+def test_graph_padded_decode_batch_equals_the_batch_alone(k3, num_spec):
+    """The dummy sequences that pad a captured graph's batch change nothing real:
+    real rows, KV and states match the unpadded batch, and the dummies touch only
+    the scratch block and slot."""
+    model, golden = k3
+    prompts = [PROMPT[:10], OTHER[:12]]
+    rows = [PROMPT[10 : 11 + num_spec], OTHER[12 : 13 + num_spec]]
+    decode = [
+        work(rows[i], len(prompts[i]), slot=i, num_spec_tokens=num_spec,
+             first_block=16 * i)
+        for i in range(2)
+    ]  # fmt: skip
+    results = []
+    for padded in (False, True):
+        cache = bind_caches(model, num_blocks=32, slots=2, spec_rows=4)
+        logits_of(
+            model, [work(p, slot=i, first_block=16 * i) for i, p in enumerate(prompts)]
+        )
+        padding = SeqPadding(5, cache.scratch_kv_slot, cache.scratch_state_slot)
+        ids, positions, metadata = prepare_inputs(
+            decode,
+            BLOCK_SIZE,
+            "cpu",
+            table_width=20,
+            padding=padding if padded else None,
+        )
+        with torch.inference_mode(), set_forward_context(ForwardContext(metadata)):
+            hidden = model(ids, positions)
+        real = len(rows[0]) + len(rows[1])
+        results.append(
+            (
+                model.compute_logits(hidden[:real]),
+                [m.kv_cache[:32].clone() for m in cache.kv_layers],
+                [m.ssm_state[:2].clone() for m in cache.state_layers],
+            )
+        )
+    (logits, kv, states), (padded_logits, padded_kv, padded_states) = results
+    assert metadata.num_seqs == 5 and metadata.query_len == 1 + num_spec
+    torch.testing.assert_close(padded_logits, logits, **TOL)
+    for a, b in zip(kv + states, padded_kv + padded_states):
+        torch.testing.assert_close(a, b, **TOL)
+    expected = golden(prompts[0] + rows[0])[0][len(prompts[0]) :]
+    torch.testing.assert_close(padded_logits[: len(rows[0])], expected, **TOL)

@@ -2,18 +2,24 @@
 
 transformers writes the checkpoint (`save_pretrained`, checkpoint tensor names), then
 both run it: prefill logits, token-by-token decode through each side's own caches, and
-greedy continuation. Quirks pinned per kimi_k3.md section 7: 1-based
-`linear_attn_config` and `first_k_dense_replace` as kwargs, silu (transformers uses
-`hidden_act` for the conv too), eager attention, no hub kernels, q_a/kv_a norm eps 1e-6.
+greedy continuation. atom reads the saved folder unchanged (the q_a/kv_a norm eps of
+1e-6 that transformers pins follows from the config being transformers-written). silu
+because transformers uses `hidden_act` for the KDA conv too; eager attention, no hub
+kernels.
 """
 
-import json
 import os
 
 import pytest
 import torch
 
-from tests.models.kimi_helpers import bind_caches, build_target, logits_of, work
+from tests.models.kimi_helpers import (
+    bind_caches,
+    build_target,
+    logits_of,
+    randomize,
+    work,
+)
 
 os.environ["USE_HUB_KERNELS"] = "0"
 transformers = pytest.importorskip("transformers")
@@ -59,24 +65,6 @@ def tiny_kl_config(q_lora_rank: int | None):
     )
 
 
-@torch.no_grad()
-def randomize(model: torch.nn.Module, seed: int) -> None:
-    """O(1) activations and non-trivial norms / router bias (spec section 6)."""
-    gen = torch.Generator().manual_seed(seed)
-    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-        noise = torch.randn(tensor.shape, generator=gen)
-        if name.endswith(("A_log", "dt_bias")):
-            continue  # transformers already uses the FLA init
-        if "norm" in name:
-            tensor.copy_(1.0 + 0.1 * noise)
-        elif name.endswith("e_score_correction_bias"):
-            tensor.copy_(0.05 * noise)
-        elif "embed_tokens" in name:
-            tensor.copy_(noise)
-        elif tensor.dim() >= 2:
-            tensor.copy_(noise / tensor.shape[-1] ** 0.5)
-
-
 @pytest.fixture(scope="module", params=[None, 64], ids=["q_proj", "q_lora64"])
 def pair(request, tmp_path_factory):
     torch.manual_seed(0)
@@ -85,11 +73,7 @@ def pair(request, tmp_path_factory):
     reference.eval()
     folder = tmp_path_factory.mktemp("tiny-kl")
     reference.save_pretrained(folder)
-    config_path = folder / "config.json"
-    config = json.loads(config_path.read_text())
-    config["mla_norm_eps"] = 1e-6  # transformers hard-codes it
-    config_path.write_text(json.dumps(config))
-    model, _ = build_target(str(folder))
+    model, _ = build_target(str(folder))  # the folder as transformers wrote it
     return reference, model
 
 

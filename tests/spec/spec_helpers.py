@@ -14,10 +14,12 @@ from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
 from atom import LLMEngine, SamplingParams
+from atom.model_ops.sampling_metadata import SamplingMetadata
 from atom.models.tiny import resolve_model_path
 from atom.models.tiny.configs import TOKEN_IDS
 from atom.models.tiny.excerpt import held_out_prompts
 from atom.models.tiny.tokenizer import TOKENIZER_FILE
+from atom.spec_decode.draft_output import DraftOutput
 
 # target -> its distilled tiny draft
 PAIRS = {
@@ -135,8 +137,8 @@ def force_drafts(
     # unambiguous at a request's first proposal, which sits right after its prompt.
     owners: dict[int, list[int]] = {}
 
-    def reference_of(anchor: int, position: int, table: list[int]) -> list[int]:
-        owner = owners.get(table[0])
+    def reference_of(anchor: int, position: int, first_block: int) -> list[int]:
+        owner = owners.get(first_block)
         if owner is not None and len(owner) > position and owner[position] == anchor:
             return owner
         starts = [
@@ -149,20 +151,38 @@ def force_drafts(
                 f"anchor {anchor} at position {position} starts {len(starts)} "
                 "reference sequences; use prompts that tell requests apart"
             )
-        owners[table[0]] = starts[0]
+        owners[first_block] = starts[0]
         return starts[0]
 
-    def propose(anchor_ids, anchor_positions, block_tables, *sampling):
-        drafts, probs = original(anchor_ids, anchor_positions, block_tables, *sampling)
-        forced = drafts.clone()
+    def propose(anchor_ids, anchor_positions, block_tables, sampling):
+        drafts = original(anchor_ids, anchor_positions, block_tables, sampling)
+        forced = drafts.ids.clone()
         rows = zip(anchor_ids, anchor_positions, block_tables)
         for row, (anchor, position, table) in enumerate(rows):
-            sequence = reference_of(int(anchor), int(position), table)
+            sequence = reference_of(int(anchor), int(position), int(table[0]))
             for k in range(forced.shape[1]):
                 right = sequence[int(position) + 1 + k]
                 forced[row, k] = right if k < num_right else (right + 1) % vocab
             proposed.append(forced[row].tolist())
-        return forced, probs
+        return DraftOutput(forced, drafts.probs)
 
     drafter.propose = propose
     return proposed
+
+
+def propose_on_host(
+    drafter,
+    anchors: list[int],
+    positions: list[int],
+    block_tables: list[list[int]],
+    temperatures: list[float],
+    top_ps: list[float] | float = 1.0,
+    seeds: list[int] | None = None,
+) -> DraftOutput:
+    """`drafter.propose` from host lists (greedy rows need no seed)."""
+    sampling = SamplingMetadata.build(temperatures, top_ps=top_ps, seeds=seeds)
+    width = max(len(table) for table in block_tables)
+    tables = [table + [0] * (width - len(table)) for table in block_tables]
+    return drafter.propose(
+        torch.tensor(anchors), torch.tensor(positions), torch.tensor(tables), sampling
+    )

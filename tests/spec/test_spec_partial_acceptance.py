@@ -86,11 +86,14 @@ def test_state_and_tokens_after_partial_acceptance(reference, num_right):
     real_commit = cache.commit
     commits = []
 
-    def commit(slot: int, num_rows: int) -> None:
-        real_commit(slot, num_rows)
+    def commit(slots: list[int], num_rows: list[int]) -> None:
+        real_commit(slots, num_rows)
+        if not slots:
+            return
         # Called while the next step runs: that step already counted its first row.
         committed = engine.scheduler.running[0].num_computed_tokens - 1
-        commits.append((committed, num_rows, kda_states(engine, slot)))
+        (slot,), (rows,) = slots, num_rows  # one sequence
+        commits.append((committed, rows, kda_states(engine, slot)))
 
     cache.commit = commit
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)

@@ -74,7 +74,7 @@ def exact_distributions(
         input_ids, positions, metadata = prepare_inputs(works, BLOCK_SIZE, "cpu")
         with set_forward_context(ForwardContext(metadata)):
             hidden = target(input_ids, positions)
-        last = torch.tensor(metadata.query_start_loc[1:]) - 1
+        last = metadata.query_start_loc[1:] - 1
         logits = target.compute_logits(hidden[last])
         probs = probs_for(logits, params.temperature, params.top_k, params.top_p)
         result.update(zip(group, probs))

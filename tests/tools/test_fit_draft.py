@@ -59,7 +59,7 @@ def test_training_forward_equals_engine_block_pass(setup):
             for col, p in enumerate(anchors[row].tolist()):
                 anchor = tokens[row, p + 1].view(1)
                 engine = draft.block_forward(
-                    anchor, torch.tensor([p + 1]), [table], width
+                    anchor, torch.tensor([p + 1]), torch.tensor([table]), width
                 )
                 torch.testing.assert_close(base[row, col], engine[0], atol=1e-4, rtol=0)
                 previous = tokens[row, p + 1 : p + 1 + width]

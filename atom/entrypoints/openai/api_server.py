@@ -21,6 +21,7 @@ from atom.entrypoints.openai.metrics import (
     render_prometheus,
 )
 from atom.entrypoints.openai.protocol import ModelCard, ModelList
+from atom.entrypoints.openai.request_guard import RequestGuard
 from atom.entrypoints.openai.serving import APIError, OpenAIServing, error_for
 from atom.model_engine.arg_utils import EngineArgs
 from atom.utils.arg_parser import FlexibleArgumentParser
@@ -30,6 +31,9 @@ logger = logging.getLogger(__name__)
 # On SIGTERM, requests still streaming after this long are cut (and aborted) so
 # that a stuck client cannot keep the server from exiting.
 GRACEFUL_SHUTDOWN_S = 10
+# Enough for a prompt of a million token ids; a larger body is refused (413).
+DEFAULT_MAX_REQUEST_BODY_BYTES = 8 * 1024 * 1024
+API_KEY_ENV = "ATOM_API_KEY"
 
 
 def build_app(
@@ -39,8 +43,13 @@ def build_app(
     default_chat_template_kwargs: dict[str, Any] | None = None,
     stats_log_interval_s: float = 10.0,
     server_info: dict[str, Any] | None = None,
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+    api_key: str | None = None,
 ) -> FastAPI:
-    """The FastAPI app around an already started `AsyncEngine`."""
+    """The FastAPI app around an already started `AsyncEngine`.
+
+    `api_key` (if set) is required as `Authorization: Bearer <key>` on /v1/*.
+    """
     served_model_name = served_model_name or async_engine.model_name
     serving = OpenAIServing(
         async_engine, served_model_name, chat_template, default_chat_template_kwargs
@@ -59,6 +68,9 @@ def build_app(
         await stats_logger.log_once()
 
     app = FastAPI(title="atom", lifespan=lifespan)
+    app.add_middleware(
+        RequestGuard, max_body_bytes=max_request_body_bytes, api_key=api_key
+    )
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -140,12 +152,42 @@ def _json_object(text: str) -> dict[str, Any]:
     return value
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
 def add_server_args(parser: FlexibleArgumentParser) -> FlexibleArgumentParser:
     """Server flags followed by every engine flag."""
-    parser.add_argument("--host", default="0.0.0.0")
-    parser.add_argument("--server-port", type=int, default=8000)
     parser.add_argument(
-        "--served-model-name", default=None, help="model id clients send (--model)"
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on; the default serves this machine only, "
+        "0.0.0.0 serves every interface",
+    )
+    parser.add_argument("--server-port", type=int, default=8000, help="HTTP port")
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        help=f"require 'Authorization: Bearer <key>' on every /v1/* route (401 "
+        f"otherwise); None = the {API_KEY_ENV} environment variable, and no key "
+        "at all when that is unset too",
+    )
+    parser.add_argument(
+        "--max-request-body-bytes",
+        type=_positive_int,
+        default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+        help="larger request bodies are refused with 413 before they are read",
+    )
+    parser.add_argument(
+        "--served-model-name",
+        default=None,
+        help="model id clients send; None = the --model value",
     )
     parser.add_argument(
         "--chat-template",
@@ -158,8 +200,17 @@ def add_server_args(parser: FlexibleArgumentParser) -> FlexibleArgumentParser:
         default=None,
         help="JSON object passed to the chat template; a request's own wins",
     )
-    parser.add_argument("--timeout-keep-alive", type=int, default=5)
-    parser.add_argument("--disable-uvicorn-access-log", action="store_true")
+    parser.add_argument(
+        "--timeout-keep-alive",
+        type=int,
+        default=5,
+        help="seconds an idle keep-alive connection stays open",
+    )
+    parser.add_argument(
+        "--disable-uvicorn-access-log",
+        action="store_true",
+        help="do not log one line per HTTP request",
+    )
     parser.add_argument(
         "--log-stats-interval",
         type=float,
@@ -182,6 +233,8 @@ def _exit_cleanly(signum: int, frame: Any) -> None:
 
 
 def run_server(args: argparse.Namespace) -> None:
+    """Serve until SIGTERM / Ctrl-C (exit 0) or until the engine dies (exit 1, so
+    that a supervisor restarts the server)."""
     # uvicorn shuts down gracefully on SIGTERM and then re-raises the signal; as
     # SystemExit it unwinds through the `finally` below, which closes the engine
     # (and its worker processes) instead of dying with them still running.
@@ -191,7 +244,15 @@ def run_server(args: argparse.Namespace) -> None:
     )
     engine_args = EngineArgs.from_cli_args(args)
     logger.info("starting engine: %s", engine_args)
-    async_engine = AsyncEngine(engine_args.create_engine).start()
+    server: uvicorn.Server | None = None
+
+    def stop_serving(reason: str) -> None:
+        logger.error("the engine died (%s); the server stops", reason)
+        if server is not None:
+            server.should_exit = True  # uvicorn polls it; safe from any thread
+
+    async_engine = AsyncEngine(engine_args.create_engine, on_dead=stop_serving)
+    async_engine.start()
     try:
         app = build_app(
             async_engine,
@@ -200,8 +261,10 @@ def run_server(args: argparse.Namespace) -> None:
             default_chat_template_kwargs=args.default_chat_template_kwargs,
             stats_log_interval_s=args.log_stats_interval,
             server_info={"engine_args": engine_args.engine_kwargs()},
+            max_request_body_bytes=args.max_request_body_bytes,
+            api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         )
-        uvicorn.run(
+        config = uvicorn.Config(
             app,
             host=args.host,
             port=args.server_port,
@@ -210,6 +273,13 @@ def run_server(args: argparse.Namespace) -> None:
             log_level="info",
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         )
+        server = uvicorn.Server(config)
+        if async_engine.is_healthy:  # else it died before `server` was set
+            server.run()
+        if async_engine.dead_reason is not None:
+            raise SystemExit(f"atom: the engine died: {async_engine.dead_reason}")
+        if not server.started:
+            raise SystemExit("atom: the HTTP server could not start (see above)")
     finally:
         async_engine.shutdown()
 

@@ -4,25 +4,49 @@ The engine thread is the only thread that touches the engine: it builds it,
 loops `step()`, and runs every other engine call handed to it. Callers talk to
 it through a thread-safe command queue; outputs come back on per-request
 asyncio queues fed with `loop.call_soon_threadsafe`.
+
+Work that concerns one request only (tokenizing its prompt, rendering its chat
+template) runs in a small pool of preparation threads instead, so a huge prompt
+delays itself and not everyone else's tokens. The tokenizer is shared read-only.
+
+An exception caused by one request fails that request; the engine is dead only
+when the engine itself fails: a step raises, or a rank process ends. A monitor
+thread watches the rank processes, so a death is noticed even while the engine
+idles. Then every pending request fails with `EngineDeadError` naming the cause,
+and `on_dead` is called once, so that the server can exit and be restarted.
 """
 
 import asyncio
+import functools
 import logging
 import queue
 import threading
 import uuid
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
+
+from atom.utils.tokenizer import TEXT_NEEDS_TOKENIZER
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+PREPARE_THREADS = 2
+# How often the rank monitor looks up from its wait to see whether to stop.
+RANK_POLL_S = 0.5
+# After a rank died: how long the engine thread gets to fail its requests before
+# the death is reported anyway (a stuck engine thread must not keep the server).
+ENGINE_EXIT_GRACE_S = 10.0
+
 
 class EngineDeadError(RuntimeError):
-    """The engine thread stopped; no request can make progress any more."""
+    """The engine stopped; no request can make progress any more."""
+
+
+class RequestFailedError(RuntimeError):
+    """The engine could not finish this request; it goes on with the others."""
 
 
 @dataclass
@@ -60,24 +84,47 @@ class _Shutdown:
     pass
 
 
+@dataclass
+class _RankExited:
+    reason: str
+
+
+def first_line(error: BaseException) -> str:
+    """A one-line account of `error` (rank failures carry whole tracebacks)."""
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
+
+
 class AsyncEngine:
     """Owns one `LLMEngine` in a background thread."""
 
-    def __init__(self, engine_factory: Callable[[], Any]):
+    def __init__(
+        self,
+        engine_factory: Callable[[], Any],
+        on_dead: Callable[[str], None] | None = None,
+    ):
         self._engine_factory = engine_factory
+        self._on_dead = on_dead
         self._engine: Any = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}  # engine thread only
         self._lock = threading.Lock()  # orders submissions against engine death
         self._dead_reason: str | None = None
+        self._death_reported = False
+        self._stopping = threading.Event()
         self._ready = threading.Event()
         self._startup_error: BaseException | None = None
         self._thread = threading.Thread(
             target=self._run, name="atom-engine", daemon=True
         )
+        self._prepare_pool = ThreadPoolExecutor(
+            PREPARE_THREADS, thread_name_prefix="atom-prepare"
+        )
         self.model_name = ""
         self.max_model_len = 0
         self.vocab_size = 0
+        self.tokenizer: Any = None
+        self.has_tokenizer = True
 
     # ---- lifecycle (caller side) ----
 
@@ -87,13 +134,23 @@ class AsyncEngine:
         self._ready.wait()
         if self._startup_error is not None:
             raise self._startup_error
+        # With one rank the model runs in this process: no rank process to watch.
+        if self._engine.config.parallel_config.world_size > 1:
+            threading.Thread(
+                target=self._watch_ranks,
+                args=(self._engine.workers.wait_for_rank_exit,),
+                name="atom-rank-monitor",
+                daemon=True,
+            ).start()
         return self
 
     def shutdown(self, timeout: float = 30.0) -> None:
+        self._stopping.set()
         with self._lock:
             if self._dead_reason is None:
                 self._commands.put(_Shutdown())
         self._thread.join(timeout)
+        self._prepare_pool.shutdown(wait=False, cancel_futures=True)
 
     @property
     def is_healthy(self) -> bool:
@@ -105,15 +162,31 @@ class AsyncEngine:
 
     # ---- requests (caller side, inside an event loop) ----
 
+    async def prepare(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """`fn(*args, **kwargs)` in a preparation thread: per-request CPU work."""
+        call = functools.partial(fn, *args, **kwargs)
+        return await asyncio.get_running_loop().run_in_executor(
+            self._prepare_pool, call
+        )
+
+    async def encode(self, text: str) -> list[int]:
+        """Token ids of a prompt, as the engine would tokenize it."""
+        if self.tokenizer is None:
+            raise ValueError(TEXT_NEEDS_TOKENIZER)
+        return await self.prepare(self.tokenizer.encode, text, add_special_tokens=False)
+
     async def generate(
         self, prompt: str | list[int], params: Any, request_id: str | None = None
     ) -> AsyncIterator[Any]:
         """Yield `RequestOutput`s until the request finishes.
 
-        An error from `add_request` (bad input) is raised here for this request
-        only; `EngineDeadError` means the engine itself failed. Leaving the
-        iteration early (client gone, task cancelled) aborts the request.
+        An error from `add_request` (bad input) or from this request's processing
+        is raised here for this request only; `EngineDeadError` means the engine
+        itself failed. Leaving the iteration early (client gone, task cancelled)
+        aborts the request.
         """
+        if isinstance(prompt, str):
+            prompt = await self.encode(prompt)
         request_id = request_id or uuid.uuid4().hex
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._submit(_Add(request_id, prompt, params, stream))
@@ -155,10 +228,16 @@ class AsyncEngine:
             self._engine = self._engine_factory()
             self.model_name = self._engine.model_name
             self.max_model_len = self._engine.max_model_len
-            self.vocab_size = len(self._engine.tokenizer)
+            self.tokenizer = self._engine.tokenizer
+            self.has_tokenizer = self.tokenizer is not None
+            self.vocab_size = (
+                len(self.tokenizer)
+                if self.tokenizer is not None
+                else int(self._engine.config.hf_config.text["vocab_size"])
+            )
         except BaseException as error:  # reported to start()
             self._startup_error = error
-            self._dead_reason = f"engine failed to start: {error!r}"
+            self._dead_reason = f"engine failed to start: {first_line(error)}"
             self._ready.set()
             return
         self._ready.set()
@@ -166,9 +245,10 @@ class AsyncEngine:
             self._serve()
         except BaseException as error:
             logger.exception("engine thread died")
-            self._fail_everything(f"engine error: {error!r}")
-        finally:
-            self._close_engine()
+            self._fail_everything(f"engine error: {first_line(error)}")
+        if not self._stopping.is_set():
+            self._report_death()
+        self._close_engine()
 
     def _serve(self) -> None:
         engine = self._engine
@@ -178,15 +258,35 @@ class AsyncEngine:
                 return
             if engine.has_unfinished_requests():
                 for output in engine.step():
-                    stream = self._streams.get(output.request_id)
-                    if stream is None:
-                        continue  # aborted while in flight
-                    if output.finished:
-                        del self._streams[output.request_id]
-                    stream.push(output)
+                    self._deliver(output)
+
+    def _deliver(self, output: Any) -> None:
+        stream = self._streams.get(output.request_id)
+        if stream is None:
+            return  # aborted while in flight
+        if output.finished:
+            del self._streams[output.request_id]
+        if output.error is not None:
+            failure = RequestFailedError(f"request {output.request_id} failed")
+            logger.error("%s: %s", failure, output.error)
+            stream.push(failure)
+            return
+        try:
+            stream.push(output)
+        except Exception:
+            # Nobody can be told, so at least stop spending compute on it.
+            logger.exception("delivering output of %s failed", output.request_id)
+            self._drop(output.request_id)
+
+    def _drop(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+        try:
+            self._engine.abort_request(request_id)
+        except Exception:
+            logger.exception("aborting request %s failed", request_id)
 
     def _handle_commands(self, block: bool) -> bool:
-        """Apply queued commands; False once shutdown was requested."""
+        """Apply queued commands; False once the engine must stop."""
         try:
             command = self._commands.get(block=block)
         except queue.Empty:
@@ -194,6 +294,9 @@ class AsyncEngine:
         while True:
             if isinstance(command, _Shutdown):
                 self._fail_everything("the server is shutting down")
+                return False
+            if isinstance(command, _RankExited):
+                self._fail_everything(command.reason)
                 return False
             self._apply(command)
             try:
@@ -206,13 +309,13 @@ class AsyncEngine:
         if isinstance(command, _Add):
             try:
                 engine.add_request(command.prompt, command.params, command.request_id)
-            except (ValueError, TypeError) as error:
-                command.stream.push(error)  # bad input fails this request only
+            except Exception as error:
+                command.stream.push(error)  # fails this request only
                 return
             self._streams[command.request_id] = command.stream
         elif isinstance(command, _Abort):
-            if self._streams.pop(command.request_id, None) is not None:
-                engine.abort_request(command.request_id)
+            if command.request_id in self._streams:
+                self._drop(command.request_id)
         elif isinstance(command, _Call):
             if not command.result.set_running_or_notify_cancel():
                 return  # the caller stopped waiting
@@ -222,9 +325,12 @@ class AsyncEngine:
                 command.result.set_exception(error)
 
     def _fail_everything(self, reason: str) -> None:
-        """Mark the engine dead and fail every pending request and call."""
+        """Mark the engine dead (keeping an earlier reason) and fail every pending
+        request and call."""
         with self._lock:
-            self._dead_reason = reason
+            if self._dead_reason is None:
+                self._dead_reason = reason
+            reason = self._dead_reason
             pending = []
             while True:
                 try:
@@ -246,3 +352,28 @@ class AsyncEngine:
             self._engine.close()
         except Exception:
             logger.exception("closing the engine failed")
+
+    # ---- death (engine thread or rank monitor) ----
+
+    def _watch_ranks(self, wait_for_rank_exit: Callable[[float], str | None]) -> None:
+        while not self._stopping.is_set():
+            exited = wait_for_rank_exit(RANK_POLL_S)
+            if exited is None or self._stopping.is_set():
+                continue
+            logger.error("%s; the engine cannot continue", exited)
+            with self._lock:
+                if self._dead_reason is None:
+                    self._dead_reason = exited  # /health says so from now on
+                    self._commands.put(_RankExited(exited))  # wakes an idle engine
+            self._thread.join(ENGINE_EXIT_GRACE_S)
+            self._report_death()
+            return
+
+    def _report_death(self) -> None:
+        with self._lock:
+            if self._death_reported:
+                return
+            self._death_reported = True
+            reason = self._dead_reason or "the engine thread stopped"
+        if self._on_dead is not None:
+            self._on_dead(reason)

@@ -1,16 +1,30 @@
 """OpenAI-compatible request and response shapes for the HTTP server.
 
 Requests ignore unknown fields (clients such as lm_eval send extras) but reject
-wrong types and values atom cannot honour, naming the offending field.
+wrong types and values atom cannot honour, naming the offending field. Types are
+strict: `"5"` or `true` is not a token count, and `true` is not a temperature.
 """
 
 import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    ValidationError,
+    field_validator,
+)
 
-TokenId = Annotated[int, Field(ge=0)]
+from atom.sampling_params import MAX_SEED, SEED_RULE
+
+TokenId = Annotated[StrictInt, Field(ge=0)]
+# OpenAI's default for /v1/completions when a request names no max_tokens.
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
 
 def random_id(prefix: str) -> str:
@@ -32,17 +46,17 @@ class OpenAIRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    temperature: float | None = Field(default=None, ge=0)
-    top_k: int | None = None
-    top_p: float | None = None
-    max_tokens: int | None = Field(default=None, gt=0)
-    max_completion_tokens: int | None = Field(default=None, gt=0)
+    temperature: StrictFloat | None = Field(default=None, ge=0)
+    top_k: StrictInt | None = None
+    top_p: StrictFloat | None = None
+    max_tokens: StrictInt | None = Field(default=None, gt=0)
+    max_completion_tokens: StrictInt | None = Field(default=None, gt=0)
     stop: str | list[str] | None = None
-    ignore_eos: bool = False
-    seed: int | None = None
-    stream: bool = False
+    ignore_eos: StrictBool = False
+    seed: StrictInt | None = None
+    stream: StrictBool = False
     stream_options: dict[str, Any] | None = None
-    n: int = 1
+    n: StrictInt = 1
 
     @field_validator("n")
     @classmethod
@@ -50,6 +64,13 @@ class OpenAIRequest(BaseModel):
         if n != 1:
             raise ValueError(f"n must be 1 (atom returns one choice), got {n}")
         return n
+
+    @field_validator("seed")
+    @classmethod
+    def _seed_in_range(cls, seed: int | None) -> int | None:
+        if seed is not None and not 0 <= seed <= MAX_SEED:
+            raise ValueError(f"seed must be {SEED_RULE}, got {seed}")
+        return seed
 
     def include_usage_in_stream(self) -> bool:
         return bool(self.stream_options and self.stream_options.get("include_usage"))
@@ -76,7 +97,7 @@ class OpenAIRequest(BaseModel):
 class CompletionRequest(OpenAIRequest):
     # A batch (list of strings or of token-id lists) yields one choice per prompt.
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
-    echo: bool = False
+    echo: StrictBool = False
     logprobs: int | None = None
 
     @field_validator("prompt")
@@ -134,7 +155,7 @@ class ChatCompletionRequest(OpenAIRequest):
     messages: list[ChatMessage] | None = None
     prompt: str | None = None  # accepted as an alias for a single user message
     chat_template_kwargs: dict[str, Any] | None = None
-    logprobs: bool = False
+    logprobs: StrictBool = False
     # Accepted for client compatibility; atom does not act on them.
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -176,6 +197,9 @@ class UsageInfo(BaseModel):
 class CompletionChoice(BaseModel):
     index: int
     text: str
+    # The generated ids (in a stream: this chunk's); set when the server runs
+    # without a tokenizer (--skip-tokenizer-init), whose text is always empty.
+    token_ids: list[int] | None = None
     logprobs: None = None
     finish_reason: str | None = None
 

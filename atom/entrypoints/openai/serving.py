@@ -17,6 +17,7 @@ from pydantic import BaseModel, ValidationError
 
 from atom.entrypoints.openai.async_engine import AsyncEngine, EngineDeadError
 from atom.entrypoints.openai.protocol import (
+    COMPLETIONS_DEFAULT_MAX_TOKENS,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -34,14 +35,15 @@ from atom.entrypoints.openai.protocol import (
     random_id,
 )
 from atom.sampling_params import SamplingParams
+from atom.utils.tokenizer import apply_chat_template
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 RequestT = TypeVar("RequestT", bound=OpenAIRequest)
 
-# OpenAI's default is "until the context is full"; cap it as ATOM does.
-HTTP_DEFAULT_MAX_TOKENS = 8192
+# OpenAI's chat default is "until the context is full"; cap it as ATOM does.
+CHAT_DEFAULT_MAX_TOKENS = 8192
 DISCONNECT_POLL_S = 0.5
 
 
@@ -60,15 +62,24 @@ class APIError(Exception):
 
 
 def error_for(exc: BaseException) -> APIError:
-    """Map an exception raised while serving a request to its HTTP error."""
+    """Map an exception raised while serving a request to its HTTP error.
+
+    An unexpected one is logged with its traceback under a fresh error id; the
+    client gets that id in one line, never the traceback.
+    """
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, EngineDeadError):
-        return APIError(500, f"the engine is not running: {exc}", "internal_error")
+        return APIError(503, f"the engine is not running: {exc}", "service_unavailable")
     if isinstance(exc, ValueError | TypeError):
         return APIError(400, str(exc))
-    logger.exception("request failed", exc_info=exc)
-    return APIError(500, f"internal error: {exc!r}", "internal_error")
+    error_id = random_id("error")
+    logger.error("request failed, error id %s", error_id, exc_info=exc)
+    return APIError(
+        500,
+        f"internal error {error_id} ({type(exc).__name__}); the server log has details",
+        "internal_error",
+    )
 
 
 def sse_frame(chunk: BaseModel | dict) -> str:
@@ -82,16 +93,20 @@ SSE_DONE = "data: [DONE]\n\n"
 
 
 def render_chat(
-    engine: Any,
+    tokenizer: Any,
     messages: list[dict[str, str]],
     chat_template: str | None,
     template_kwargs: dict[str, Any],
 ) -> str:
-    """Chat prompt text; runs on the engine thread (the tokenizer is the engine's)."""
-    tokenizer = engine.tokenizer
+    """Chat prompt text (run in a preparation thread: templates can be slow)."""
     has_template = chat_template or getattr(tokenizer, "chat_template", None)
+    if tokenizer is None:
+        raise ValueError(
+            "chat messages need a tokenizer, and this server runs with "
+            "--skip-tokenizer-init: send token-id prompts to /v1/completions"
+        )
     if not has_template or (chat_template is None and not template_kwargs):
-        return engine.apply_chat_template(messages)
+        return apply_chat_template(tokenizer, messages)
     return tokenizer.apply_chat_template(
         messages,
         chat_template=chat_template,
@@ -132,7 +147,7 @@ class OpenAIServing:
 
     async def completions(self, request: Request):
         body = await self._parse(request, CompletionRequest)
-        params = self._sampling_params(body)
+        params = self._sampling_params(body, COMPLETIONS_DEFAULT_MAX_TOKENS)
         prompts = body.prompts()
         for prompt in prompts:
             self._check_token_ids(prompt)
@@ -142,7 +157,12 @@ class OpenAIServing:
                 request, self._run_all(prompts, params, request_id)
             )
             choices = [
-                CompletionChoice(index=i, text=o.text, finish_reason=o.finish_reason)
+                CompletionChoice(
+                    index=i,
+                    text=o.text,
+                    token_ids=self._ids(o.output_token_ids),
+                    finish_reason=o.finish_reason,
+                )
                 for i, o in enumerate(outputs)
             ]
             response = CompletionResponse(
@@ -155,8 +175,13 @@ class OpenAIServing:
         if len(prompts) != 1:
             raise APIError(400, "prompt: streaming accepts a single prompt")
 
-        def chunk(text: str, finish_reason: str | None) -> CompletionResponse:
-            choice = CompletionChoice(index=0, text=text, finish_reason=finish_reason)
+        def chunk(output: Any, finish_reason: str | None) -> CompletionResponse:
+            choice = CompletionChoice(
+                index=0,
+                text=output.new_text,
+                token_ids=self._ids(output.new_token_ids),
+                finish_reason=finish_reason,
+            )
             return CompletionResponse(
                 id=request_id, model=self.served_model_name, choices=[choice]
             )
@@ -172,7 +197,8 @@ class OpenAIServing:
 
     async def chat_completions(self, request: Request):
         body = await self._parse(request, ChatCompletionRequest)
-        params = self._sampling_params(body)
+        default_max_tokens = min(CHAT_DEFAULT_MAX_TOKENS, self.engine.max_model_len)
+        params = self._sampling_params(body, default_max_tokens)
         try:
             messages = body.chat_messages()
         except ValueError as error:
@@ -182,13 +208,13 @@ class OpenAIServing:
             **(body.chat_template_kwargs or {}),
         }
         try:
-            prompt = await self.engine.call(
-                lambda engine: render_chat(
-                    engine, messages, self.chat_template, template_kwargs
-                )
+            prompt = await self.engine.prepare(
+                render_chat,
+                self.engine.tokenizer,
+                messages,
+                self.chat_template,
+                template_kwargs,
             )
-        except EngineDeadError as error:
-            raise error_for(error) from None
         except Exception as error:
             raise APIError(400, f"messages: chat template failed: {error}") from None
         request_id = random_id("chatcmpl")
@@ -209,7 +235,8 @@ class OpenAIServing:
             )
             return JSONResponse(response.model_dump())
 
-        def chunk(text: str, finish_reason: str | None) -> ChatCompletionChunk:
+        def chunk(output: Any, finish_reason: str | None) -> ChatCompletionChunk:
+            text = output.new_text
             choice = ChatChunkChoice(
                 index=0,
                 delta={"content": text} if text else {},
@@ -237,14 +264,20 @@ class OpenAIServing:
     # ---- helpers ----
 
     async def _parse(self, request: Request, model: type[RequestT]) -> RequestT:
+        # Off the event loop: a body of megabytes takes a while to decode.
+        data = await request.body()
         try:
-            raw = await request.json()
+            raw = await self.engine.prepare(json.loads, data)
+        except RecursionError:
+            raise APIError(400, "malformed JSON body: nested too deeply") from None
         except ValueError as error:
             raise APIError(400, f"malformed JSON body: {error}") from None
         try:
-            body = model.model_validate(raw)
+            body = await self.engine.prepare(model.model_validate, raw)
         except ValidationError as error:
             raise APIError(400, format_validation_error(error)) from None
+        except RecursionError:
+            raise APIError(400, "request body: nested too deeply") from None
         if body.model is not None and body.model != self.served_model_name:
             raise APIError(
                 404,
@@ -254,12 +287,17 @@ class OpenAIServing:
             )
         return body
 
-    def _sampling_params(self, body: OpenAIRequest) -> SamplingParams:
-        default_max_tokens = min(HTTP_DEFAULT_MAX_TOKENS, self.engine.max_model_len)
+    def _sampling_params(
+        self, body: OpenAIRequest, default_max_tokens: int
+    ) -> SamplingParams:
         try:
             return SamplingParams(**body.sampling_kwargs(default_max_tokens))
         except (ValueError, TypeError) as error:
             raise APIError(400, str(error)) from None
+
+    def _ids(self, token_ids: list[int]) -> list[int] | None:
+        """Token ids for a response: only a server without a tokenizer sends them."""
+        return None if self.engine.has_tokenizer else list(token_ids)
 
     def _check_token_ids(self, prompt: str | list[int]) -> None:
         # An id outside the vocabulary would crash the forward pass, taking every
@@ -313,7 +351,7 @@ class OpenAIServing:
         params: SamplingParams,
         request_id: str,
         opening: list[BaseModel],
-        chunk: Callable[[str, str | None], BaseModel],
+        chunk: Callable[[Any, str | None], BaseModel],
         usage_chunk: Callable[[UsageInfo], BaseModel],
     ) -> StreamingResponse:
         outputs = self.engine.generate(prompt, params, request_id)
@@ -331,15 +369,13 @@ class OpenAIServing:
             try:
                 while True:
                     if output.finished:
-                        final = pending + sse_frame(
-                            chunk(output.new_text, output.finish_reason)
-                        )
+                        final = pending + sse_frame(chunk(output, output.finish_reason))
                         if include_usage:
                             final += sse_frame(usage_chunk(self._usage([output])))
                         yield final + SSE_DONE
                         return
-                    if output.new_text:
-                        yield pending + sse_frame(chunk(output.new_text, None))
+                    if output.new_text or self._ids(output.new_token_ids):
+                        yield pending + sse_frame(chunk(output, None))
                         pending = ""
                     output = await anext(outputs)
             except Exception as error:

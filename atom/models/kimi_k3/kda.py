@@ -1,4 +1,4 @@
-"""Kimi Delta Attention layer with per-sequence conv / recurrent state (spec 4.3).
+"""Kimi Delta Attention layer with per-sequence conv / recurrent state slots.
 
 Heads are split across TP ranks: every per-channel or per-head tensor (projections,
 convs, dt_bias, A_log, b_proj) keeps this rank's heads; o_proj reduces.
@@ -28,7 +28,7 @@ from atom.model_ops.linear import (
     shard_of,
 )
 from atom.models.kimi_k3.config import KimiTextConfig
-from atom.utils.forward_context import AttentionMetadata, get_forward_context
+from atom.utils.forward_context import require_metadata
 
 
 def fp32_channel_sharded(*shape: int) -> nn.Parameter:
@@ -51,16 +51,6 @@ class ConvWeight(nn.Module):
     def __init__(self, channels: int, kernel_size: int) -> None:
         super().__init__()
         self.weight = fp32_channel_sharded(channels, 1, kernel_size)
-
-
-def require_metadata(layer: str) -> AttentionMetadata:
-    metadata = get_forward_context().attn_metadata
-    if metadata is None:
-        raise RuntimeError(
-            f"{layer} needs attention metadata: run the forward inside "
-            "set_forward_context(ForwardContext(metadata))"
-        )
-    return metadata
 
 
 class KimiDeltaAttention(nn.Module):
@@ -157,23 +147,11 @@ class KimiDeltaAttention(nn.Module):
         )
         # The write strength is formed in fp32: bf16 here measurably costs accuracy.
         beta = torch.sigmoid(F.linear(x.float(), self.b_proj.weight.float()))
-        conv_weight = self._conv_weight()
-        outputs = []
-        for i in range(metadata.num_seqs):
-            rows = metadata.rows(i)
-            verify = bool(metadata.verify[i]) if metadata.verify else False
-            outputs.append(
-                self._run_sequence(
-                    mixed[rows],
-                    log_decay[rows],
-                    beta[rows],
-                    conv_weight,
-                    metadata.state_slots[i],
-                    metadata.context_lens[i] > 0,
-                    verify,
-                )
+        o = metadata.unpad(
+            self._recur(
+                metadata.pad(mixed), metadata.pad(log_decay), metadata.pad(beta)
             )
-        o = torch.cat(outputs, dim=0)
+        )
         gate = (
             self.g_proj(x)
             if hasattr(self, "g_proj")
@@ -182,52 +160,59 @@ class KimiDeltaAttention(nn.Module):
         y = kda_output_norm_gate(o, self.o_norm.weight, gate, self.eps)
         return self.o_proj(y.to(x.dtype))
 
-    def _run_sequence(
-        self,
-        mixed: torch.Tensor,
-        log_decay: torch.Tensor,
-        beta: torch.Tensor,
-        conv_weight: torch.Tensor,
-        slot: int,
-        continues: bool,
-        verify: bool,
+    def _recur(
+        self, mixed: torch.Tensor, log_decay: torch.Tensor, beta: torch.Tensor
     ) -> torch.Tensor:
-        """One sequence's rows: conv + recurrence, updating (or snapshotting) state."""
-        rows = mixed.shape[0]
-        if continues:
-            conv_in, ssm_in = self.conv_state[slot], self.ssm_state[slot]
-        else:
-            # A fresh sequence starts from zeros whatever the slot last held.
-            conv_in = torch.zeros_like(self.conv_state[slot])
-            ssm_in = None
-        conved, conv_out = causal_conv1d(mixed, conv_weight, conv_in)
+        """Conv + recurrence of all sequences at once, rows padded [B, T, ...].
+
+        Reads each sequence's states from its slot (zeros for a fresh sequence),
+        writes the states after its last row back, and on a verify step also the
+        state after every row, for commit(num_rows) to choose from.
+        """
+        metadata = require_metadata(f"KDA layer {self.prefix!r}")
+        slots, fresh = metadata.state_slots, metadata.fresh
+        conv_in = torch.where(
+            fresh.view(-1, 1, 1), 0, self.conv_state.index_select(0, slots)
+        )
+        ssm_in = torch.where(
+            fresh.view(-1, 1, 1, 1), 0, self.ssm_state.index_select(0, slots)
+        )
+        lengths = None
+        if not metadata.query_len:
+            lengths = metadata.query_start_loc.diff()
+        conved, conv_out = causal_conv1d(mixed, self._conv_weight(), conv_in, lengths)
+        batch, rows = mixed.shape[:2]
         q, k, v = (
-            part.reshape(rows, self.heads, self.head_dim)
+            part.reshape(batch, rows, self.heads, self.head_dim)
             for part in conved.split(self.local_width, dim=-1)
         )
         q, k = l2_normalize(q), l2_normalize(k)
-        if verify:
-            if self.ssm_snapshots is None or self.conv_snapshots is None:
-                raise RuntimeError(
-                    f"KDA layer {self.prefix!r} verifies drafts but no snapshot "
-                    "buffers are bound (CacheEngine num_spec_rows=0)"
-                )
-            if rows > self.ssm_snapshots.shape[1]:
-                raise RuntimeError(
-                    f"{rows} verify rows exceed the {self.ssm_snapshots.shape[1]} "
-                    "snapshot rows bound"
-                )
-            o, _, states = self._backend.decode(
+        if metadata.keeps_row_states:
+            self._check_snapshot_rows(rows)
+            o, final, states = self._backend.decode(
                 q, k, v, log_decay, beta, ssm_in, return_all_states=True
             )
-            # State stays put; commit(slot, accepted) copies the chosen row later.
-            self.ssm_snapshots[slot, :rows] = states
-            self.conv_snapshots[slot, :rows] = conv_state_after_each_row(mixed, conv_in)
-            return o
-        if rows == 1:
+            self.ssm_snapshots[slots, :rows] = states.detach()
+            self.conv_snapshots[slots, :rows] = conv_state_after_each_row(
+                mixed, conv_in
+            ).detach()
+        elif rows == 1:
             o, final = self._backend.decode(q, k, v, log_decay, beta, ssm_in)
         else:
-            o, final = self._backend.prefill(q, k, v, log_decay, beta, ssm_in)
-        self.ssm_state[slot] = final
-        self.conv_state[slot] = conv_out
+            o, final = self._backend.prefill(q, k, v, log_decay, beta, ssm_in, metadata)
+        # Caches hold values, never autograd history (training runs this forward too).
+        self.ssm_state.index_copy_(0, slots, final.detach())
+        self.conv_state.index_copy_(0, slots, conv_out.detach())
         return o
+
+    def _check_snapshot_rows(self, rows: int) -> None:
+        if self.ssm_snapshots is None or self.conv_snapshots is None:
+            raise RuntimeError(
+                f"KDA layer {self.prefix!r} verifies drafts but no snapshot "
+                "buffers are bound (CacheEngine num_spec_rows=0)"
+            )
+        if rows > self.ssm_snapshots.shape[1]:
+            raise RuntimeError(
+                f"{rows} verify rows exceed the {self.ssm_snapshots.shape[1]} "
+                "snapshot rows bound"
+            )

@@ -20,7 +20,7 @@ from atom.model_ops.linear import ReplicatedLinear
 from atom.models.kimi_k3.config import KimiTextConfig
 from atom.models.kimi_k3.kda import KimiDeltaAttention
 from atom.models.kimi_k3.mla import KimiMLAttention
-from atom.models.kimi_k3.moe import GatedMLP, KimiMoE
+from atom.models.kimi_k3.moe import KimiMoE, dense_mlp
 
 LayerOutput = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 
@@ -39,11 +39,12 @@ class KimiDecoderLayer(nn.Module):
         if config.is_moe_layer(layer_idx):
             self.block_sparse_moe = KimiMoE(config)
         else:
-            self.mlp = GatedMLP(config, config.intermediate_size)
+            self.mlp = dense_mlp(config, config.intermediate_size)
         self.input_layernorm = RMSNorm(hidden, eps=eps)
         self.post_attention_layernorm = RMSNorm(hidden, eps=eps)
         self.eps = eps
         self.block_size = config.attn_res_block_size
+        self.opens_block = config.plan[layer_idx].opens_block
         if self.block_size is not None:
             self.self_attention_res_norm = RMSNorm(hidden, eps=eps)
             self.self_attention_res_proj = ReplicatedLinear(hidden, 1)
@@ -83,7 +84,7 @@ class KimiDecoderLayer(nn.Module):
         )
         x = self.input_layernorm(mixed)
         partial: torch.Tensor | None = stream
-        if self.layer_idx % self.block_size == 0:
+        if self.opens_block:
             bank = torch.cat([bank, stream.unsqueeze(1)], dim=1)
             partial = None
         attn_out = self.self_attn(positions, x)

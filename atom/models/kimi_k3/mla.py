@@ -1,4 +1,4 @@
-"""Gated NoPE multi-head latent attention over a paged latent cache (spec 4.4).
+"""Gated NoPE multi-head latent attention over a paged latent cache.
 
 The rope slice of q and k is never rotated but still enters the dot product. A cache
 row is [c_kv | k_pe]; heads are split across TP ranks (q_b/q, kv_b, g column-parallel,
@@ -17,9 +17,14 @@ from atom.model_ops.linear import (
     ReplicatedLinear,
     RowParallelLinear,
 )
-from atom.model_ops.paged_mla import causal_mask, latent_attention, read_kv, write_kv
+from atom.model_ops.paged_mla import (
+    causal_visibility,
+    gather_kv,
+    latent_attention,
+    write_kv,
+)
 from atom.models.kimi_k3.config import KimiTextConfig
-from atom.models.kimi_k3.kda import require_metadata
+from atom.utils.forward_context import require_metadata
 
 
 class KimiMLAttention(nn.Module):
@@ -74,28 +79,21 @@ class KimiMLAttention(nn.Module):
         )
         latent = torch.cat([self.kv_a_layernorm(c_kv), k_pe], dim=-1)
         write_kv(self.kv_cache, metadata.slot_mapping, latent)
-        outputs = []
-        for i in range(metadata.num_seqs):
-            rows = metadata.rows(i)
-            start = metadata.context_lens[i]
-            num_rows = rows.stop - rows.start
-            cached = read_kv(
-                self.kv_cache, metadata.block_tables[i], start + num_rows
-            ).to(x.dtype)
-            query_positions = torch.arange(start, start + num_rows, device=x.device)
-            outputs.append(
-                latent_attention(
-                    q_nope[rows],
-                    q_pe[rows],
-                    cached[:, : self.kv_lora_rank],
-                    cached[:, self.kv_lora_rank :],
-                    self.kv_b_proj.weight,
-                    self.v_dim,
-                    self.scale,
-                    causal_mask(query_positions, start + num_rows),
-                )
-            )
-        o = torch.cat(outputs, dim=0).reshape(x.shape[0], self.heads * self.v_dim)
+        if metadata.all_fresh:
+            # Nothing cached is older than this forward: attend to its own rows.
+            keys = metadata.pad(latent)
+        else:
+            keys = gather_kv(self.kv_cache, metadata.block_tables)
+        o = latent_attention(
+            metadata.pad(q_nope),
+            metadata.pad(q_pe),
+            keys,
+            self.kv_b_proj.weight,
+            self.v_dim,
+            self.scale,
+            causal_visibility(metadata.query_positions, keys.shape[1]),
+        )
+        o = metadata.unpad(o).reshape(x.shape[0], self.heads * self.v_dim)
         if self.use_output_gate:
             o = o * torch.sigmoid(self.g_proj(x).float())
         return self.o_proj(o.to(x.dtype))

@@ -14,13 +14,14 @@ from torch import nn
 from atom.config import Config
 from atom.distributed.parallel_state import get_pp_group, get_tp_group
 from atom.model_ops.attn_res import attn_res_mix
-from atom.model_ops.embed_head import ParallelLMHead, VocabParallelEmbedding
+from atom.model_ops.embed_head import VocabParallelEmbedding
 from atom.model_ops.layernorm import RMSNorm
 from atom.model_ops.linear import ReplicatedLinear
 from atom.model_ops.mxfp4 import declares_mxfp4
+from atom.model_ops.routed_experts import FusedExperts
+from atom.models.causal_lm import PipelineCausalLM, TextOnlyWrapper
 from atom.models.kimi_k3.config import KimiTextConfig
 from atom.models.kimi_k3.layer import KimiDecoderLayer
-from atom.models.kimi_k3.moe import FusedExperts
 from atom.models.kimi_k3.names import map_text_checkpoint_name
 from atom.models.utils import (
     IntermediateTensors,
@@ -155,37 +156,10 @@ class KimiLinearModel(nn.Module):
         return self.norm(stream)
 
 
-class KimiLinearForCausalLM(nn.Module):
+class KimiLinearForCausalLM(PipelineCausalLM):
     """The text stack `model.*` plus the untied head `lm_head.*`."""
 
-    def __init__(self, config: Config, prefix: str = "") -> None:
-        super().__init__()
-        self.model = KimiLinearModel(config, maybe_prefix(prefix, "model"))
-        text = self.model.text_config
-        if get_pp_group().is_last_rank:
-            self.lm_head = ParallelLMHead(text.vocab_size, text.hidden_size)
-        else:
-            self.lm_head = PPMissingLayer()
-        self.pp_payload_keys = self.model.pp_payload_keys
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        intermediate_tensors: IntermediateTensors | None = None,
-    ) -> torch.Tensor | IntermediateTensors:
-        return self.model(input_ids, positions, intermediate_tensors)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """[N, V] over the full vocabulary (last stage; the final norm ran already)."""
-        if not get_pp_group().is_last_rank:
-            raise RuntimeError("compute_logits runs on the last pipeline stage only")
-        return self.lm_head.compute_logits(hidden_states)
-
-    def make_empty_intermediate_tensors(
-        self, num_tokens: int, dtype: torch.dtype, device: torch.device | str
-    ) -> IntermediateTensors:
-        return self.model.make_empty_intermediate_tensors(num_tokens, dtype, device)
+    model_class = KimiLinearModel
 
     def map_checkpoint_name(self, name: str) -> tuple[str, object] | None:
         return map_text_checkpoint_name(name, self.model.text_config.num_hidden_layers)
@@ -195,45 +169,9 @@ class KimiK3ForCausalLM(KimiLinearForCausalLM):
     """The K3 text stack without a vision tower; same code, K3 features from config."""
 
 
-class KimiK3ForConditionalGeneration(nn.Module):
+class KimiK3ForConditionalGeneration(TextOnlyWrapper):
     """Kimi-K3 (and K3.1 via ARCH_ALIASES): the text model under `language_model.`;
     the vision tower and projector are not built and their tensors are skipped."""
 
+    text_model_class = KimiK3ForCausalLM
     skip_weight_prefixes = ("vision_tower.", "mm_projector.")
-    _TEXT = "language_model."
-
-    def __init__(self, config: Config, prefix: str = "") -> None:
-        super().__init__()
-        self.language_model = KimiK3ForCausalLM(
-            config, maybe_prefix(prefix, "language_model")
-        )
-        self.pp_payload_keys = self.language_model.pp_payload_keys
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        intermediate_tensors: IntermediateTensors | None = None,
-    ) -> torch.Tensor | IntermediateTensors:
-        return self.language_model(input_ids, positions, intermediate_tensors)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.language_model.compute_logits(hidden_states)
-
-    def make_empty_intermediate_tensors(
-        self, num_tokens: int, dtype: torch.dtype, device: torch.device | str
-    ) -> IntermediateTensors:
-        return self.language_model.make_empty_intermediate_tensors(
-            num_tokens, dtype, device
-        )
-
-    def map_checkpoint_name(self, name: str) -> tuple[str, object] | None:
-        # vLLM spells the layers `language_model.layers.`; accept both forms.
-        if name.startswith(self._TEXT + "layers."):
-            name = self._TEXT + "model." + name[len(self._TEXT) :]
-        if not name.startswith(self._TEXT):
-            return name, None
-        mapped = self.language_model.map_checkpoint_name(name[len(self._TEXT) :])
-        if mapped is None:
-            return None
-        return self._TEXT + mapped[0], mapped[1]

@@ -16,6 +16,8 @@ from typing import NamedTuple
 
 import torch
 
+from atom.models.kimi_k3.config import KimiTextConfig
+
 # Init rules, applied in `_init_tensor`.
 EMBED = "embed"  # N(0, 1)
 LINEAR = "linear"  # N(0, 1/fan_in), fan_in = last dim
@@ -35,19 +37,6 @@ class TensorSpec(NamedTuple):
     name: str
     shape: tuple[int, ...]
     init: str
-
-
-def _layer_kinds(cfg: dict) -> list[str]:
-    """'kda' or 'mla' per 0-based layer, from the 1-based id lists."""
-    lac = cfg["linear_attn_config"]
-    kinds = [""] * cfg["num_hidden_layers"]
-    for layer_id in lac["kda_layers"]:
-        kinds[layer_id - 1] = "kda"
-    for layer_id in lac["full_attn_layers"]:
-        kinds[layer_id - 1] = "mla"
-    if "" in kinds:
-        raise ValueError(f"layers {[i for i, k in enumerate(kinds) if not k]} untyped")
-    return kinds
 
 
 def _kda_specs(p: str, cfg: dict, a_log_shape: tuple[int, ...]) -> list[TensorSpec]:
@@ -145,11 +134,12 @@ def text_model_specs(
 ) -> list[TensorSpec]:
     """Every tensor of a Kimi Linear / K3 text stack, names under `prefix`."""
     hidden, vocab = cfg["hidden_size"], cfg["vocab_size"]
-    attn_res = cfg.get("attn_res_block_size") is not None
+    plan = KimiTextConfig.from_hf(cfg).plan
+    attn_res = plan.uses_attn_res
     m = f"{prefix}model."
     specs = [TensorSpec(f"{m}embed_tokens.weight", (vocab, hidden), EMBED)]
-    for i, kind in enumerate(_layer_kinds(cfg)):
-        lp = f"{m}layers.{i}."
+    for layer in plan:
+        lp = f"{m}layers.{layer.index}."
         norms = ["input_layernorm", "post_attention_layernorm"]
         if attn_res:
             norms += ["self_attention_res_norm", "mlp_res_norm"]
@@ -158,14 +148,14 @@ def text_model_specs(
                 for site in ("self_attention", "mlp")
             ]
         specs += [TensorSpec(f"{lp}{n}.weight", (hidden,), NORM) for n in norms]
-        if kind == "kda":
+        if layer.is_kda:
             specs += _kda_specs(f"{lp}self_attn.", cfg, a_log_shape)
         else:
             specs += mla_specs(f"{lp}self_attn.", cfg)
-        if i < cfg["first_k_dense_replace"] or i % cfg.get("moe_layer_freq", 1):
-            specs += mlp_specs(f"{lp}mlp.", hidden, cfg["intermediate_size"])
-        else:
+        if layer.is_moe:
             specs += _moe_specs(f"{lp}block_sparse_moe.", cfg)
+        else:
+            specs += mlp_specs(f"{lp}mlp.", hidden, cfg["intermediate_size"])
     specs.append(TensorSpec(f"{m}norm.weight", (hidden,), NORM))
     if attn_res:
         specs.append(TensorSpec(f"{m}output_attn_res_norm.weight", (hidden,), NORM))

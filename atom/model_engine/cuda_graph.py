@@ -1,0 +1,260 @@
+"""CUDA graphs of one pipeline stage's decode forward, for a ladder of batch sizes.
+
+A decode step (one row per sequence, or the k + 1 rows of a speculative verify) has
+shapes that depend only on the batch size, so each stage captures its own forward
+once per (batch size, rows per sequence) at start-up and replays it: one launch
+instead of hundreds. A batch is padded with dummy sequences up to the next captured
+size; they write to a scratch KV slot and a scratch state slot that no request owns.
+
+Every input of a captured forward lives in a static buffer that replay refills: token
+ids, positions, the attention metadata tensors and, on a non-first stage, the
+previous stage's payload. Block tables have a fixed width, enough for a sequence of
+`max_model_len` tokens plus the drafter's rows; attention reads that whole width, so
+a tight `--max-model-len` makes decode cheaper.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from atom.model_engine.batch import SeqWork
+from atom.model_engine.model_inputs import (
+    SeqPadding,
+    StepLayout,
+    build_step,
+    view_step,
+)
+from atom.models.utils import IntermediateTensors
+from atom.utils.forward_context import ForwardContext, set_forward_context
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+_WARMUP_RUNS = 2
+
+
+def capture_sizes(requested: list[int] | None, max_num_seqs: int) -> list[int]:
+    """The batch sizes to capture: the requested ladder (or the default) up to
+    max_num_seqs, always including max_num_seqs itself."""
+    sizes = sorted({s for s in (requested or DEFAULT_CAPTURE_SIZES) if s >= 1})
+    kept = [s for s in sizes if s < max_num_seqs]
+    return [*kept, max_num_seqs]
+
+
+@dataclass
+class _Capture:
+    graph: torch.cuda.CUDAGraph
+    # The static buffer every input of the capture is a view of, and its layout.
+    packed: torch.Tensor
+    layout: StepLayout
+    slot_mapping: torch.Tensor
+    positions: torch.Tensor
+    output: torch.Tensor | IntermediateTensors
+
+
+class DecodeGraphs:
+    """Captured decode forwards of `model` for `sizes` x `query_lens`."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        sizes: list[int],
+        query_lens: list[int],
+        block_size: int,
+        table_width: int,
+        padding_slots: tuple[int, int],
+        is_first_stage: bool,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        self.model = model
+        self.sizes = sorted(sizes)
+        self.query_lens = sorted(set(query_lens))
+        self.block_size = block_size
+        self.table_width = table_width
+        self.kv_slot, self.state_slot = padding_slots
+        self.device = device
+        max_rows = self.sizes[-1] * self.query_lens[-1]
+        self.payload = None
+        if not is_first_stage:
+            self.payload = model.make_empty_intermediate_tensors(
+                max_rows, dtype, device
+            )
+        self.captures: dict[tuple[int, int], _Capture] = {}
+        pool = torch.cuda.graph_pool_handle()
+        for query_len in reversed(self.query_lens):
+            for size in reversed(self.sizes):
+                self.captures[(size, query_len)] = self._capture(size, query_len, pool)
+        logger.info(
+            "captured %d decode graphs: batch sizes %s x rows per sequence %s",
+            len(self.captures),
+            self.sizes,
+            self.query_lens,
+        )
+
+    def _padding(self, size: int) -> SeqPadding:
+        return SeqPadding(size, self.kv_slot, self.state_slot)
+
+    def _payload(self, rows: int) -> IntermediateTensors | None:
+        if self.payload is None:
+            return None
+        return IntermediateTensors(
+            {key: value[:rows] for key, value in self.payload.items()}
+        )
+
+    def _capture(self, size: int, query_len: int, pool) -> _Capture:
+        # One continuing sequence on the scratch slots, padded to `size`: the
+        # capture's layout is the one every replay of this key builds.
+        dummy = SeqWork(
+            seq_id=0,
+            token_ids=[0] * query_len,
+            context_len=1,
+            block_table=[0] * self.table_width,
+            state_slot=self.state_slot,
+            sample=False,
+            num_spec_tokens=query_len - 1,
+            temperature=0.0,
+            top_k=0,
+            top_p=1.0,
+            seed=None,
+        )
+        packed, layout = build_step(
+            [dummy], self.block_size, self.table_width, self._padding(size)
+        )
+        packed = packed.to(self.device)
+        ids, positions, metadata = view_step(packed, layout)
+        metadata.slot_mapping.fill_(self.kv_slot)
+        payload = self._payload(size * query_len)
+        with set_forward_context(ForwardContext(metadata)):
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                for _ in range(_WARMUP_RUNS):
+                    self.model(ids, positions, payload)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                output = self.model(ids, positions, payload)
+        return _Capture(graph, packed, layout, metadata.slot_mapping, positions, output)
+
+    def size_for(self, seqs: list[SeqWork]) -> tuple[int, int] | None:
+        """The capture that runs this batch, or None (run it eagerly).
+
+        Decode batches only: every sequence continues (context > 0) with the same
+        rows, and rows beyond the first are all drafts under verification.
+        """
+        query_len = seqs[0].num_rows
+        if query_len not in self.query_lens or len(seqs) > self.sizes[-1]:
+            return None
+        for work in seqs:
+            if work.num_rows != query_len or work.context_len == 0:
+                return None
+            if work.num_spec_tokens != query_len - 1:
+                return None
+            if len(work.block_table) > self.table_width:
+                return None
+        size = next(s for s in self.sizes if s >= len(seqs))
+        return size, query_len
+
+    def run(
+        self,
+        key: tuple[int, int],
+        seqs: list[SeqWork],
+        intermediate: IntermediateTensors | None,
+    ) -> tuple[torch.Tensor | IntermediateTensors, torch.Tensor, torch.Tensor]:
+        """Replay the capture `key` for `seqs`: (output rows, positions and slot
+        mapping of the real sequences' rows, which come first)."""
+        size, query_len = key
+        capture = self.captures[key]
+        packed, layout = build_step(
+            seqs, self.block_size, self.table_width, self._padding(size)
+        )
+        if layout != capture.layout:
+            raise RuntimeError(
+                f"batch layout {layout} differs from the captured {capture.layout}"
+            )
+        capture.packed.copy_(packed, non_blocking=True)
+        num_rows = len(seqs) * query_len
+        if intermediate is not None:
+            static = self._payload(num_rows)
+            for name, value in intermediate.items():
+                static[name].copy_(value)
+        capture.graph.replay()
+        output = capture.output
+        if isinstance(output, IntermediateTensors):
+            output = IntermediateTensors(
+                {name: value[:num_rows] for name, value in output.items()}
+            )
+        else:
+            output = output[:num_rows]
+        return output, capture.positions[:num_rows], capture.slot_mapping[:num_rows]
+
+
+class BlockPassGraphs:
+    """Captured DSpark block passes (backbone to base logits) per batch size.
+
+    The pass writes nothing, so padding is free: dummy sequences sit at position 0
+    with no visible context rows. Inputs live in one static int64 buffer per size:
+    anchors [B], anchor positions [B], block tables [B, W].
+    """
+
+    def __init__(
+        self,
+        draft: nn.Module,
+        sizes: list[int],
+        num_rows: int,
+        table_width: int,
+        device: torch.device,
+    ) -> None:
+        self.draft = draft
+        self.sizes = sorted(sizes)
+        self.num_rows = num_rows
+        self.table_width = table_width
+        self.device = device
+        self.captures: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, object]] = {}
+        pool = torch.cuda.graph_pool_handle()
+        for size in reversed(self.sizes):
+            packed = torch.zeros(
+                size * (2 + table_width), dtype=torch.long, device=device
+            )
+            args = self._views(packed, size)
+            stream = torch.cuda.Stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                for _ in range(_WARMUP_RUNS):
+                    draft.block_forward(*args, num_rows)
+            torch.cuda.current_stream(device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits = draft.block_forward(*args, num_rows)
+            self.captures[size] = (graph, packed, logits)
+        logger.info("captured %d DSpark block-pass graphs: %s", len(self.sizes), sizes)
+
+    def _views(
+        self, packed: torch.Tensor, size: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        anchors, positions, tables = packed.split([size, size, size * self.table_width])
+        return anchors, positions, tables.view(size, self.table_width)
+
+    def run(
+        self, anchors: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor
+    ) -> torch.Tensor | None:
+        """Base logits [B, T, V] of the real sequences, or None when no capture
+        covers the batch (run it eagerly). Inputs are device tensors."""
+        count, width = tables.shape
+        if count > self.sizes[-1] or width > self.table_width:
+            return None
+        size = next(s for s in self.sizes if s >= count)
+        graph, packed, logits = self.captures[size]
+        static_anchors, static_positions, static_tables = self._views(packed, size)
+        static_anchors[:count].copy_(anchors)
+        static_positions[:count].copy_(positions)
+        static_positions[count:].zero_()  # padding rows see no context
+        static_tables.zero_()
+        static_tables[:count, :width].copy_(tables)
+        graph.replay()
+        return logits[:count]

@@ -1,0 +1,204 @@
+"""Routed experts shared by every MoE model: the router gate and the fused experts.
+
+Routed experts run as grouped matrix products over tokens sorted by expert
+(`grouped_experts.py`). Each TP rank holds its I_e/tp slice of every expert; partial
+expert sums must be reduced before anything nonlinear touches them.
+
+Checkpoints store one tensor per expert and projection (`experts.{e}.w1` gate,
+`.w3` up, `.w2` down; MXFP4 checkpoints `.weight_packed` + `.weight_scale`);
+`expert_checkpoint_target` maps those names onto the fused parameters.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from atom.distributed.parallel_state import get_tp_group
+from atom.model_ops.grouped_experts import experts_use_grouped_mm, grouped_expert_mlp
+from atom.model_ops.linear import check_shape, divide, shard_of
+from atom.model_ops.mxfp4 import dequantize_mxfp4
+
+EXPERT_PROJECTIONS = ("w1", "w3", "w2")  # gate, up, down
+MXFP4_PARTS = ("packed", "scale")
+
+# `experts.{e}.w1` (gate), `.w3` (up), `.w2` (down), with or without `.weight`, or the
+# MXFP4 halves `.weight_packed` / `.weight_scale`.
+_EXPERT = re.compile(
+    r"^(?P<owner>.*\.experts)\.(?P<e>\d+)\.(?P<w>w[123])"
+    r"(\.weight(_(?P<part>packed|scale))?)?$"
+)
+
+
+class ExpertPart(NamedTuple):
+    """Shard id of one half of an MXFP4 expert projection: (expert, "w1", "packed")."""
+
+    expert: int
+    projection: str
+    part: str  # "packed" | "scale"
+
+    def __str__(self) -> str:
+        # The loader names absent shards with str(): show the checkpoint tensor.
+        return f"experts.{self.expert}.{self.projection}.weight_{self.part}"
+
+
+def expert_checkpoint_target(name: str) -> tuple[str, object] | None:
+    """(fused parameter, shard id) of a per-expert checkpoint tensor, or None when
+    `name` is not one."""
+    expert = _EXPERT.match(name)
+    if expert is None:
+        return None
+    fused = f"{expert['owner']}.{'w2' if expert['w'] == 'w2' else 'w13'}"
+    if expert["part"]:
+        return fused, ExpertPart(int(expert["e"]), expert["w"], expert["part"])
+    return fused, (int(expert["e"]), expert["w"])
+
+
+class FusedExperts(nn.Module):
+    """All routed experts: w13 [E, 2*I_e/tp, D] (gate rows first), w2 [E, D, I_e/tp].
+
+    D is the width the experts read (H, or a latent width). Loaded from per-expert
+    checkpoint tensors with shard ids (expert, "w1" | "w3" | "w2"); every pair is
+    expected, so a missing expert tensor fails the load. MXFP4 checkpoints send each
+    projection as two halves, ExpertPart(expert, name, "packed" | "scale"): the first
+    is held until its partner arrives, then the full weight is dequantized and only
+    then TP-sliced (a slice of packed bytes would cut through scale blocks).
+    """
+
+    def __init__(
+        self, num_experts: int, intermediate_size: int, width: int, act: nn.Module
+    ) -> None:
+        super().__init__()
+        tp = get_tp_group()
+        self.tp_rank, self.tp_size = tp.rank_in_group, tp.world_size
+        self.num_experts = num_experts
+        inner = divide(intermediate_size, self.tp_size, "moe_intermediate")
+        self.local_inner = inner
+        self.w13 = nn.Parameter(
+            torch.empty(num_experts, 2 * inner, width), requires_grad=False
+        )
+        self.w2 = nn.Parameter(
+            torch.empty(num_experts, width, inner), requires_grad=False
+        )
+        for param, names in ((self.w13, ("w1", "w3")), (self.w2, ("w2",))):
+            param.weight_loader = self.weight_loader
+            param.expected_shards = {
+                (e, name) for e in range(num_experts) for name in names
+            }
+        # (expert, name) -> the half of an MXFP4 pair that arrived first.
+        self._pending: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+        # (expert, name) -> whether the checkpoint sent it as MXFP4.
+        self._loaded_mxfp4: dict[tuple[int, str], bool] = {}
+        self.act = act
+        # Decided on first use, once the weights sit on their device.
+        self._grouped_mm: bool | None = None
+
+    def expect_mxfp4(self) -> None:
+        """The config declares MXFP4 experts: account for packed + scale halves."""
+        for e in range(self.num_experts):
+            for name in EXPERT_PROJECTIONS:
+                self._expect(e, name, mxfp4=True)
+
+    def _expect(self, expert: int, name: str, mxfp4: bool) -> None:
+        expected = (self.w2 if name == "w2" else self.w13).expected_shards
+        halves = {ExpertPart(expert, name, part) for part in MXFP4_PARTS}
+        if mxfp4:
+            expected.discard((expert, name))
+            expected |= halves
+        else:
+            expected -= halves
+            expected.add((expert, name))
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple
+    ) -> None:
+        expert, name, *part = shard_id
+        if not 0 <= expert < self.num_experts:
+            raise ValueError(f"expert {expert} outside [0, {self.num_experts})")
+        mxfp4 = bool(part)
+        form = self._loaded_mxfp4.setdefault((expert, name), mxfp4)
+        if form != mxfp4:
+            raise ValueError(
+                f"expert {expert} {name} comes both as a plain weight and as MXFP4"
+            )
+        # Follow the checkpoint's form even if the config did not declare it, so
+        # accounting then asks for exactly the halves this projection still lacks.
+        self._expect(expert, name, mxfp4)
+        if mxfp4:
+            loaded = self._complete_pair(expert, name, part[0], loaded, param.dtype)
+            if loaded is None:
+                return
+        if name == "w2":
+            target = param.data[expert]
+            piece = shard_of(loaded, 1, self.tp_rank, self.tp_size)
+        else:
+            offset = 0 if name == "w1" else self.local_inner
+            target = param.data[expert].narrow(0, offset, self.local_inner)
+            piece = shard_of(loaded, 0, self.tp_rank, self.tp_size)
+        check_shape(target, piece, f"expert {expert} {name}")
+        target.copy_(piece)
+
+    def _complete_pair(
+        self,
+        expert: int,
+        name: str,
+        part: str,
+        loaded: torch.Tensor,
+        dtype: torch.dtype,
+    ) -> torch.Tensor | None:
+        """The dequantized [out, in] weight once both halves arrived, else None."""
+        if part not in MXFP4_PARTS:
+            raise ValueError(f"unknown MXFP4 part {part!r}; expected {MXFP4_PARTS}")
+        halves = self._pending.setdefault((expert, name), {})
+        if part in halves:
+            raise ValueError(f"expert {expert} {name} weight_{part} arrived twice")
+        halves[part] = loaded
+        if len(halves) < len(MXFP4_PARTS):
+            return None
+        del self._pending[(expert, name)]
+        try:
+            return dequantize_mxfp4(halves["packed"], halves["scale"], dtype)
+        except TypeError as err:
+            # The loader names the checkpoint tensor for ValueErrors only.
+            raise ValueError(str(err)) from err
+
+    def forward(
+        self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """This rank's partial sum_k w_k * expert_k(x), [N, D] in fp32."""
+        return grouped_expert_mlp(
+            x, weights, expert_ids, self.w13, self.w2, self.act, self.graph_capturable
+        )
+
+    @property
+    def graph_capturable(self) -> bool:
+        """True when the experts run with no host sync (one grouped kernel)."""
+        if self._grouped_mm is None:
+            self._grouped_mm = experts_use_grouped_mm(self.w13, self.w2)
+        return self._grouped_mm
+
+
+class RouterGate(nn.Module):
+    """The replicated router: `weight` [E, H] and `e_score_correction_bias` [E].
+
+    `dtype` fixes the stored weight's dtype (fp32 for checkpoints that ship an fp32
+    router); None keeps the model's dtype. Logits are computed in fp32 either way.
+    """
+
+    def __init__(
+        self, hidden: int, num_experts: int, dtype: torch.dtype | None = None
+    ) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(
+            torch.empty(num_experts, hidden, dtype=dtype), requires_grad=False
+        )
+        self.e_score_correction_bias = nn.Parameter(
+            torch.empty(num_experts, dtype=dtype), requires_grad=False
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.weight.float())

@@ -1,0 +1,206 @@
+"""What the last stage needs to choose one step's tokens, built once per step.
+
+Tensors live on the step's device, one row per sampled sequence in batch order;
+the few host-side facts (which rows are greedy, whether any row uses top-k or
+top-p, the draft counts) come from the scheduler's lists, so reading them never
+waits for the device.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from atom.model_engine.batch import SeqWork
+
+
+def per_row(values: object, count: int, name: str) -> list:
+    """One entry per row: a scalar repeats; a sequence or tensor must have `count`."""
+    if isinstance(values, torch.Tensor):
+        values = values.reshape(-1).tolist()
+    if isinstance(values, Sequence):
+        if len(values) != count:
+            raise ValueError(f"{name}: {len(values)} values for {count} rows")
+        return list(values)
+    return [values] * count
+
+
+def _on_device(
+    values: list, dtype: torch.dtype, device: torch.device | str
+) -> torch.Tensor:
+    """Host values as a device tensor. A CUDA copy goes from pinned memory without
+    blocking: a plain copy would wait for the forward still running on the stream."""
+    host = torch.tensor(values, dtype=dtype)
+    if torch.device(device).type == "cpu":
+        return host
+    if host.numel() == 0:  # nothing to copy, nothing to pin
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def _padded(
+    rows: list[list[int]], device: torch.device | str, repeat_last: bool = False
+) -> torch.Tensor:
+    """[len(rows), longest] long, short rows padded with 0 (or their last entry)."""
+    width = max((len(row) for row in rows), default=0)
+    padded = [
+        row + (row[-1:] if repeat_last else [0]) * (width - len(row)) for row in rows
+    ]
+    return _on_device(padded, torch.long, device).view(len(rows), width)
+
+
+@dataclass(frozen=True)
+class SpecDecodeMetadata:
+    """The drafts each sampled sequence verifies this step and where it drafts next."""
+
+    # [S, T] long, T = the batch's largest draft count; row s holds its
+    # num_drafts[s] drafts, then zeros.
+    draft_ids: torch.Tensor
+    # [S] long, and the same counts on the host.
+    num_drafts: torch.Tensor
+    num_drafts_host: list[int]
+    # [S, T + 1] long: the scored-logits row of verify row j of sequence s (row j
+    # predicts the token after draft j); padding repeats the sequence's last row.
+    row_index: torch.Tensor
+    # [S, W] long: paged-KV block ids of each sampled sequence for the drafter's
+    # block pass, padded with block 0 (never read past the sequence's context).
+    block_tables: torch.Tensor
+
+    @property
+    def max_drafts(self) -> int:
+        return max(self.num_drafts_host, default=0)
+
+
+@dataclass(frozen=True)
+class SamplingMetadata:
+    """Per sampled sequence: its sampling settings and the positions it decides."""
+
+    seq_ids: list[int]
+    temperatures: torch.Tensor  # [S] float32; 0 = greedy
+    top_ks: torch.Tensor  # [S] long; <= 0 (or >= vocab) keeps every token
+    top_ps: torch.Tensor  # [S] float32 in (0, 1]
+    seeds: torch.Tensor  # [S] int64 (0 for greedy rows without one)
+    # [S] long: the position of the token the sequence's first scored row predicts
+    # (the sampled token, or the first draft when verifying).
+    positions: torch.Tensor
+    greedy: torch.Tensor  # [S] bool
+    greedy_host: list[bool]
+    # [S'] long: the rows with temperature > 0.
+    sampled_index: torch.Tensor
+    uses_top_k: bool
+    uses_top_p: bool
+    # [R] long: rows of the step's hidden states whose logits are scored.
+    logit_rows: torch.Tensor | None = None
+    spec: SpecDecodeMetadata | None = None
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.greedy_host)
+
+    @property
+    def all_greedy(self) -> bool:
+        return all(self.greedy_host)
+
+    @classmethod
+    def build(
+        cls,
+        temperatures: Sequence[float],
+        top_ks: Sequence[int] | int = -1,
+        top_ps: Sequence[float] | float = 1.0,
+        seeds: Sequence[int | None] | int | None = None,
+        positions: Sequence[int] | int = 0,
+        device: torch.device | str = "cpu",
+        seq_ids: Sequence[int] | None = None,
+        logit_rows: Sequence[int] | None = None,
+        spec: SpecDecodeMetadata | None = None,
+    ) -> SamplingMetadata:
+        """From host values, one per sequence (a scalar applies to all).
+
+        A greedy row may have seed None; a sampled row needs an int seed.
+        """
+        num_seqs = len(temperatures)
+        temps = [float(t) for t in temperatures]
+        ks = [int(k) for k in per_row(top_ks, num_seqs, "top_ks")]
+        ps = [float(p) for p in per_row(top_ps, num_seqs, "top_ps")]
+        seed_list = per_row(seeds, num_seqs, "seeds")
+        pos = [int(p) for p in per_row(positions, num_seqs, "positions")]
+        bad = [t for t in temps if not math.isfinite(t) or t < 0]
+        if bad:
+            raise ValueError(f"temperatures must be finite and >= 0, got {bad}")
+        bad = [p for p in ps if not 0 < p <= 1]
+        if bad:
+            raise ValueError(f"top_ps must lie in (0, 1], got {bad}")
+        greedy = [t == 0 for t in temps]
+        for row, (seed, is_greedy) in enumerate(zip(seed_list, greedy)):
+            if seed is None and not is_greedy:
+                raise ValueError(
+                    f"sequence row {row} samples (temperature {temps[row]}) without "
+                    "a seed; the engine gives every request one when it is added"
+                )
+
+        def on_device(values: list, dtype: torch.dtype) -> torch.Tensor:
+            return _on_device(values, dtype, device)
+
+        return cls(
+            seq_ids=list(seq_ids) if seq_ids is not None else list(range(num_seqs)),
+            temperatures=on_device(temps, torch.float32),
+            top_ks=on_device(ks, torch.long),
+            top_ps=on_device(ps, torch.float32),
+            seeds=on_device([0 if s is None else s for s in seed_list], torch.long),
+            positions=on_device(pos, torch.long),
+            greedy=on_device(greedy, torch.bool),
+            greedy_host=greedy,
+            sampled_index=on_device(
+                [i for i, g in enumerate(greedy) if not g], torch.long
+            ),
+            uses_top_k=any(k > 0 and not g for k, g in zip(ks, greedy)),
+            uses_top_p=any(p < 1 and not g for p, g in zip(ps, greedy)),
+            logit_rows=(
+                None if logit_rows is None else on_device(logit_rows, torch.long)
+            ),
+            spec=spec,
+        )
+
+    @classmethod
+    def from_works(
+        cls, works: Sequence[SeqWork], device: torch.device | str
+    ) -> SamplingMetadata:
+        """The step's metadata for the sequences with `sample` set, in batch order."""
+        logit_rows: list[int] = []
+        row_index: list[list[int]] = []
+        drafts: list[list[int]] = []
+        sampled: list[SeqWork] = []
+        start = 0
+        for work in works:
+            end = start + work.num_rows
+            if work.sample:
+                first = len(logit_rows)
+                logit_rows.extend(range(end - 1 - work.num_spec_tokens, end))
+                row_index.append([first + j for j in range(work.num_spec_tokens + 1)])
+                drafts.append(work.token_ids[1 : 1 + work.num_spec_tokens])
+                sampled.append(work)
+            start = end
+        spec = SpecDecodeMetadata(
+            draft_ids=_padded(drafts, device),
+            num_drafts=_on_device([len(d) for d in drafts], torch.long, device),
+            num_drafts_host=[len(d) for d in drafts],
+            # Padding repeats the last row, so every index is a real row.
+            row_index=_padded(row_index, device, repeat_last=True),
+            block_tables=_padded([w.block_table for w in sampled], device),
+        )
+        return cls.build(
+            temperatures=[w.temperature for w in sampled],
+            top_ks=[w.top_k for w in sampled],
+            top_ps=[w.top_p for w in sampled],
+            seeds=[w.seed for w in sampled],
+            positions=[w.context_len + w.num_rows - w.num_spec_tokens for w in sampled],
+            device=device,
+            seq_ids=[w.seq_id for w in sampled],
+            logit_rows=logit_rows,
+            spec=spec,
+        )

@@ -1,0 +1,141 @@
+"""MiniMax-M3 attention: GQA with per-head Gemma QK-norm and partial RoPE, and on
+sparse layers the lightning indexer choosing key blocks (block-sparse attention).
+
+One head-parallel projection yields q, k, v (and on sparse layers the index query
+and the single index key) for this rank's heads. KV heads, and the index heads that
+go with them (index head g selects for KV group g), are split across TP ranks or,
+when there are fewer of them than ranks, replicated. A cache row is
+[k | v | index key], so the index keys live in the same pages as the KV rows.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from atom.model_ops.block_sparse import block_sparse_visibility
+from atom.model_ops.layernorm import GemmaRMSNorm
+from atom.model_ops.linear import HeadParallelLinear, RowParallelLinear
+from atom.model_ops.paged_attention import gqa_attention, sequence_visibility
+from atom.model_ops.paged_mla import gather_kv, write_kv
+from atom.model_ops.rotary_embedding import RotaryEmbedding
+from atom.models.minimax_m3.config import MiniMaxM3TextConfig
+from atom.utils.forward_context import require_metadata
+
+# Checkpoint projection -> shard of the fused `qkv_proj`.
+QKV_SHARDS = {
+    "q_proj": 0,
+    "k_proj": 1,
+    "v_proj": 2,
+    "index_q_proj": 3,
+    "index_k_proj": 4,
+}
+
+
+class PartialRotary(nn.Module):
+    """NeoX RoPE on the first `rotary_dim` channels of each head; the rest pass."""
+
+    def __init__(self, rotary_dim: int, theta: float) -> None:
+        super().__init__()
+        self.rotary_dim = rotary_dim
+        self.rotary = RotaryEmbedding(rotary_dim, theta, interleaved=False)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x [N, heads, head_dim]; positions [N]."""
+        rotated, passed = x.split(
+            [self.rotary_dim, x.shape[-1] - self.rotary_dim], dim=-1
+        )
+        return torch.cat([self.rotary(positions, rotated), passed], dim=-1)
+
+
+class MiniMaxM3Attention(nn.Module):
+    def __init__(
+        self, config: MiniMaxM3TextConfig, layer_idx: int, prefix: str = ""
+    ) -> None:
+        super().__init__()
+        self.prefix = prefix
+        self.sparse = config.layers[layer_idx].sparse_attention
+        hidden, head_dim = config.hidden_size, config.head_dim
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+        parts = [(heads, head_dim), (kv_heads, head_dim), (kv_heads, head_dim)]
+        self.indexer = config.indexer if self.sparse else None
+        if self.indexer is not None:
+            index_dim = self.indexer.head_dim
+            parts += [(self.indexer.num_heads, index_dim), (1, index_dim)]
+        self.qkv_proj = HeadParallelLinear(hidden, parts)
+        local = [len(r) for r in self.qkv_proj.local_heads]
+        self.num_heads, self.num_kv_heads = local[0], local[1]
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
+        eps = config.rms_norm_eps
+        self.q_norm = GemmaRMSNorm(head_dim, eps=eps)
+        self.k_norm = GemmaRMSNorm(head_dim, eps=eps)
+        if self.indexer is not None:
+            self.index_q_norm = GemmaRMSNorm(self.indexer.head_dim, eps=eps)
+            self.index_k_norm = GemmaRMSNorm(self.indexer.head_dim, eps=eps)
+        self.rotary = PartialRotary(config.rotary_dim, config.rope_theta)
+        # Rows follow q's heads, which the config guarantees split evenly over TP.
+        self.o_proj = RowParallelLinear(heads * head_dim, hidden)
+        # The CacheEngine binds `kv_cache` [num_blocks, block_size, kv_cache_dim].
+        self.kv_width = self.num_kv_heads * head_dim
+        index_width = self.indexer.head_dim if self.indexer is not None else 0
+        self.kv_cache_dim = 2 * self.kv_width + index_width
+        self.kv_cache: torch.Tensor | None = None
+
+    def _cache_rows(
+        self, positions: torch.Tensor, x: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(q [N, h, d], cache rows [N, kv_cache_dim], index queries [N, g, di])."""
+        q, k, v, *index = self.qkv_proj.split(self.qkv_proj(x))
+        q = self.rotary(positions, self.q_norm(q))
+        k = self.rotary(positions, self.k_norm(k))
+        row = [k.flatten(1), v.flatten(1)]
+        index_q = None
+        if self.indexer is not None:
+            index_q = self.rotary(positions, self.index_q_norm(index[0]))
+            index_k = self.rotary(positions, self.index_k_norm(index[1]))
+            row.append(index_k.flatten(1))
+        return q, torch.cat(row, dim=-1), index_q
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        metadata = require_metadata(f"attention layer {self.prefix!r}")
+        if self.kv_cache is None:
+            raise RuntimeError(
+                f"attention layer {self.prefix!r} has no KV cache; bind one with "
+                "CacheEngine"
+            )
+        q, rows, index_q = self._cache_rows(positions, x)
+        write_kv(self.kv_cache, metadata.slot_mapping, rows)
+        if metadata.all_fresh:
+            # Nothing cached is older than this forward: attend to its own rows,
+            # rounded through the cache dtype as a read-back would be.
+            keys = metadata.pad(rows.to(self.kv_cache.dtype))
+        else:
+            keys = gather_kv(self.kv_cache, metadata.block_tables)
+        visible = sequence_visibility(metadata, keys.shape[1])
+        k, v, index_k = keys.split(
+            [self.kv_width, self.kv_width, self.kv_cache_dim - 2 * self.kv_width],
+            dim=-1,
+        )
+        if self.indexer is None:
+            visible = visible.unsqueeze(1)
+        else:
+            visible = block_sparse_visibility(
+                metadata.pad(index_q),
+                index_k,
+                visible,
+                metadata.query_positions,
+                self.indexer.block_size,
+                self.indexer.topk_blocks,
+                self.indexer.local_blocks,
+                self.indexer.init_blocks,
+            )
+        o = gqa_attention(
+            metadata.pad(q),
+            k.unflatten(-1, (self.num_kv_heads, self.head_dim)),
+            v.unflatten(-1, (self.num_kv_heads, self.head_dim)),
+            visible,
+            self.scale,
+        )
+        o = metadata.unpad(o).reshape(x.shape[0], self.num_heads * self.head_dim)
+        return self.o_proj(o.to(x.dtype))

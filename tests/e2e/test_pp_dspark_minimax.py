@@ -1,0 +1,106 @@
+"""MiniMax-M3 with its Qwen3 DSpark draft under pipeline x tensor parallelism.
+
+Real rank processes over gloo, the same relay, drafter and proposer as Kimi. Greedy
+speculation must equal target-only decoding at pp1; at pp2 x tp2 (and pp2 x tp4,
+marked slow) the tokens, every draft each sequence received and the acceptance must
+equal pp1's. The tiny draft is random, so its Markov head is taught the target's
+transitions (`teach_draft`) to give partial acceptance. Each stage's memory ledger
+must show the embedding on the first stage and exactly one more vocab shard, the
+drafter's, on the last.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from atom.models.tiny.minimax import minimax_text_config
+from tests.e2e.pp_probe import (
+    Recorder,
+    acceptance,
+    embedding_facts,
+    generate_ids,
+    make_engine,
+    mixed_prompts,
+    one_torch_thread,
+    teach_draft,
+)
+
+TARGET, DRAFT = "tiny-minimax-m3", "tiny-minimax-m3-dspark"
+PROMPTS = mixed_prompts()
+TEXT = minimax_text_config()
+
+
+def shard_bytes(tp: int) -> int:
+    """One vocab-parallel fp32 table shard: vocab / tp x hidden x 4 bytes."""
+    return TEXT["vocab_size"] // tp * TEXT["hidden_size"] * 4
+
+
+@dataclass
+class Reference:
+    ids: list[list[int]]  # pp1 x tp1 without speculation
+    draft: str  # the taught draft folder
+    drafts: list[list[list[int]]]  # every draft each sequence got at pp1
+    acceptance: float
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_torch_thread():
+    with one_torch_thread():
+        yield
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Reference:
+    engine = make_engine(TARGET)
+    ids = generate_ids(engine, PROMPTS)
+    engine.close()
+    chains = [prompt[-1:] + out for prompt, out in zip(PROMPTS, ids)]
+    taught = teach_draft(DRAFT, chains, tmp_path_factory.mktemp("minimax") / "d")
+    engine = make_engine(TARGET, taught)
+    recorder = Recorder(engine)
+    spec_ids = generate_ids(engine, PROMPTS)
+    rate = acceptance(engine)
+    engine.close()
+    assert spec_ids == ids, "greedy speculation must equal target-only at pp1"
+    assert 0.05 < rate < 1.0  # partial: drafts are both accepted and rejected
+    return Reference(ids, taught, recorder.drafts_by_sequence(), rate)
+
+
+def run_layout(ref: Reference, pp: int, tp: int) -> None:
+    engine = make_engine(
+        TARGET, ref.draft, pipeline_parallel_size=pp, tensor_parallel_size=tp
+    )
+    try:
+        recorder = Recorder(engine)
+        ids = generate_ids(engine, PROMPTS)
+        rate = acceptance(engine)
+        facts = engine.workers.call(embedding_facts)
+        ranks = engine.workers.info.ranks
+    finally:
+        engine.close()
+    print(
+        f"\nMiniMax acceptance pp{pp} x tp{tp}: {rate:.4f} (pp1 {ref.acceptance:.4f})"
+    )
+    assert ids == ref.ids
+    assert recorder.drafts_by_sequence() == ref.drafts
+    assert rate == ref.acceptance
+    for report, fact in zip(ranks, facts):
+        first, last = report.pp_rank == 0, report.pp_rank == pp - 1
+        ledger = report.memory_ledger
+        assert ledger["embedding"] == (shard_bytes(tp) if first or last else 0)
+        assert ledger["lm_head"] == (shard_bytes(tp) if last else 0)
+        assert (ledger["draft"] > 0) == last
+        assert fact["target_embedding_real"] == (first or last)
+        if last:
+            assert fact["draft_shares_target_table"]
+
+
+def test_pp2_tp2_dspark_matches_pp1(reference):
+    run_layout(reference, pp=2, tp=2)
+
+
+@pytest.mark.slow
+def test_pp2_tp4_dspark_matches_pp1(reference):
+    run_layout(reference, pp=2, tp=4)

@@ -1,0 +1,157 @@
+"""StepSampler: per-step metadata from the scheduler's work, sampling and verifying
+all sequences at once, the draft distributions it keeps, and the engine's seeds."""
+
+import pytest
+import torch
+
+from atom import LLMEngine, SamplingParams
+from atom.model_engine.batch import SeqWork
+from atom.model_engine.step_sampler import StepSampler
+from atom.model_ops.rejection_sampler import verify_drafts
+from atom.model_ops.sampler import sample_tokens
+from atom.model_ops.sampling_metadata import SamplingMetadata
+from atom.spec_decode.draft_output import DraftOutput
+from tests.spec.spec_helpers import ENGINE_SETTINGS, spec_engine
+
+VOCAB = 40
+
+
+def work(seq_id, token_ids, context_len, sample=True, drafts=0, temperature=0.8):
+    return SeqWork(
+        seq_id=seq_id,
+        token_ids=token_ids,
+        context_len=context_len,
+        block_table=list(range(seq_id, seq_id + 1 + context_len // 16)),
+        state_slot=seq_id,
+        sample=sample,
+        num_spec_tokens=drafts,
+        temperature=temperature,
+        top_k=-1,
+        top_p=1.0,
+        seed=None if temperature == 0 else 100 + seq_id,
+    )
+
+
+def scored_logits(sampling: SamplingMetadata, num_rows: int) -> torch.Tensor:
+    """Logits of every row of the forward, then the scored ones."""
+    gen = torch.Generator().manual_seed(3)
+    return (torch.randn(num_rows, VOCAB, generator=gen) * 2)[sampling.logit_rows]
+
+
+def test_metadata_from_works_selects_rows_positions_and_drafts():
+    works = [
+        work(0, [5, 6, 7], 0, sample=False),  # a prefill chunk that samples nothing
+        work(1, [8, 9], 10),  # the last chunk of a prefill
+        work(2, [4, 11, 12, 13], 20, drafts=3),  # verify: [last, d1, d2, d3]
+        work(3, [1, 2], 7, drafts=1, temperature=0),
+    ]
+    sampling = SamplingMetadata.from_works(works, "cpu")
+    assert sampling.seq_ids == [1, 2, 3]
+    assert sampling.logit_rows.tolist() == [4, 5, 6, 7, 8, 9, 10]
+    # The position each sequence's first scored row predicts.
+    assert sampling.positions.tolist() == [12, 21, 8]
+    assert sampling.greedy_host == [False, False, True]
+    spec = sampling.spec
+    assert spec.num_drafts_host == [0, 3, 1] and spec.max_drafts == 3
+    assert spec.draft_ids.tolist() == [[0, 0, 0], [11, 12, 13], [2, 0, 0]]
+    assert spec.row_index.tolist() == [[0, 0, 0, 0], [1, 2, 3, 4], [5, 6, 6, 6]]
+    assert spec.block_tables.shape == (3, 2)
+
+
+def test_a_plain_step_samples_every_sequence_once():
+    works = [work(0, [5, 6, 7], 0), work(1, [3], 9, temperature=0)]
+    sampling = SamplingMetadata.from_works(works, "cpu")
+    logits = scored_logits(sampling, 4)
+    choices = StepSampler().step(logits, sampling)
+    expected = sample_tokens(logits, sampling).tolist()
+    assert [c.seq_id for c in choices] == [0, 1]
+    assert [c.token_ids for c in choices] == [[t] for t in expected]
+    assert [c.num_accepted for c in choices] == [0, 0]
+    assert [c.draft_token_ids for c in choices] == [[], []]
+    assert expected[1] == int(logits[1].argmax())
+
+
+def test_verification_uses_the_stored_draft_distributions():
+    works = [
+        work(0, [4, 11, 12], 20, drafts=2),
+        work(1, [6], 3),  # no drafts this step
+        work(2, [9, 30], 5, drafts=1, temperature=0),
+    ]
+    sampling = SamplingMetadata.from_works(works, "cpu")
+    logits = scored_logits(sampling, 6)
+    sampler = StepSampler()
+    with pytest.raises(RuntimeError, match="sequence 0 verifies 2 sampled drafts"):
+        sampler.step(logits, sampling)
+
+    q = torch.softmax(torch.randn(3, 3, VOCAB, generator=torch.Generator()), -1)
+    proposed_by = SamplingMetadata.build([0.8, 0.8, 0.0], seeds=[1, 1, None])
+    ids = torch.zeros(3, 3, dtype=torch.long)
+    sampler.store_draft_probs(proposed_by, DraftOutput(ids, q))
+    # Only temperature > 0 requests keep their q.
+    assert sorted(sampler.draft_probs) == [0, 1]
+    choices = sampler.step(logits, sampling)
+
+    spec = sampling.spec
+    unused = torch.zeros(2, VOCAB)
+    emitted, accepted = verify_drafts(
+        logits[spec.row_index],
+        spec.draft_ids,
+        spec.num_drafts,
+        torch.stack([q[0, :2], unused, unused]),
+        sampling,
+    )
+    for choice, tokens, count in zip(choices, emitted.tolist(), accepted.tolist()):
+        assert choice.num_accepted == count
+        assert choice.token_ids == tokens[: count + 1]
+    sampler.forget([0, 1])
+    assert not sampler.draft_probs
+
+
+def test_a_sequence_chooses_the_same_alone_and_in_a_batch():
+    batch = [work(0, [3, 4], 0), work(1, [7], 30), work(2, [1, 2, 3], 12)]
+    logits_of = {}
+    together = SamplingMetadata.from_works(batch, "cpu")
+    all_logits = scored_logits(together, 6)
+    for seq, row in zip(together.seq_ids, all_logits):
+        logits_of[seq] = row
+    in_batch = StepSampler().step(all_logits, together)
+    for one, choice in zip(batch, in_batch):
+        alone = SamplingMetadata.from_works([one], "cpu")
+        (single,) = StepSampler().step(logits_of[one.seq_id][None], alone)
+        assert single == choice
+
+
+def test_unseeded_requests_get_repeatable_engine_seeds():
+    params = SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True)
+    prompts = [[11, 12, 13], [11, 12, 13], [40, 41]]
+    runs = []
+    for seed in (0, 0, 1):
+        engine = LLMEngine("tiny-kimi-k3", seed=seed, **ENGINE_SETTINGS)
+        try:
+            runs.append([out["token_ids"] for out in engine.generate(prompts, params)])
+        finally:
+            engine.close()
+    assert params.seed is None  # the caller's object is left as it was
+    assert runs[0] == runs[1]  # Config.seed repeats the engine's choices
+    assert runs[0] != runs[2]
+    # Two requests for one prompt got different seeds.
+    assert runs[0][0] != runs[0][1]
+
+
+def test_the_engine_keeps_draft_distributions_only_for_sampled_requests():
+    engine = spec_engine("tiny-kimi-k3", 2)
+    try:
+        step_sampler = engine.workers.runner.step_sampler
+        engine.add_request([5, 6, 7, 8], SamplingParams(temperature=0, max_tokens=8))
+        sampled_id = engine.add_request(
+            [9, 10, 11], SamplingParams(temperature=0.9, max_tokens=8, seed=4)
+        )
+        for _ in range(3):
+            engine.step()
+        sampled_seq_id = int(sampled_id)  # request ids default to the seq id
+        assert list(step_sampler.draft_probs) == [sampled_seq_id]
+        probs = step_sampler.draft_probs[sampled_seq_id]
+        assert probs.shape == (2, engine.config.hf_config.text["vocab_size"])
+        torch.testing.assert_close(probs.sum(-1), torch.ones(2))
+    finally:
+        engine.close()

@@ -1,0 +1,98 @@
+"""The real server as a subprocess, and what tests ask of it and of its children."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from atom.distributed.rank_process import free_port
+from tests.process_helpers import child_pids, survivors
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+STARTUP_TIMEOUT_S = 300
+
+
+class Server:
+    """`python -m atom.entrypoints.openai_server` with the given flags."""
+
+    def __init__(
+        self,
+        flags: list[str],
+        log_path: Path,
+        env: dict[str, str] | None = None,
+        api_key: str | None = None,
+    ):
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.children: list[int] = []  # recorded once healthy
+        command = [sys.executable, "-m", "atom.entrypoints.openai_server"]
+        command += ["--server-port", str(self.port), "--device", "cpu", *flags]
+        with open(log_path, "w") as log:
+            self.process = subprocess.Popen(
+                command,
+                cwd=REPO_ROOT,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **(env or {})},
+            )
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_healthy(self) -> Server:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while True:
+            if self.process.poll() is not None:
+                raise AssertionError(
+                    f"server exited with {self.process.returncode}:\n{self.log()}"
+                )
+            try:
+                if self.get("/health").status_code == 200:
+                    self.children = child_pids(self.process.pid)
+                    return self
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise AssertionError(f"server never became healthy:\n{self.log()}")
+            time.sleep(0.5)
+
+    def get(self, path: str) -> httpx.Response:
+        return httpx.get(self.base_url + path, headers=self.headers, timeout=30)
+
+    def post(self, path: str, body: dict | str | bytes) -> httpx.Response:
+        if isinstance(body, str | bytes):
+            return httpx.post(
+                self.base_url + path, content=body, headers=self.headers, timeout=120
+            )
+        return httpx.post(
+            self.base_url + path, json=body, headers=self.headers, timeout=120
+        )
+
+    def client(self) -> httpx.AsyncClient:
+        return httpx.AsyncClient(
+            base_url=self.base_url, headers=self.headers, timeout=120
+        )
+
+    def metric(self, name: str) -> float:
+        for line in self.get("/metrics").text.splitlines():
+            if line.startswith(f"atom:{name}{{"):
+                return float(line.rsplit(" ", 1)[1])
+        raise AssertionError(f"atom:{name} missing from /metrics")
+
+    def stop(self) -> None:
+        """Kill the server if it still runs, then any child it had once healthy
+        that is still running (a test of orphans may have failed)."""
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
+        for pid in survivors(self.children, deadline_s=0):
+            os.kill(pid, signal.SIGKILL)

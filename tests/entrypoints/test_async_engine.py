@@ -1,0 +1,105 @@
+"""One request's failure fails that request only: the engine loop goes on.
+
+The failures are real objects passed through the public API (a prompt that cannot
+be read, a stop string whose check raises); engine and model are the real ones.
+"""
+
+import asyncio
+import logging
+
+import pytest
+import torch
+
+from atom import LLMEngine, SamplingParams
+from atom.entrypoints.openai.async_engine import AsyncEngine, RequestFailedError
+from atom.entrypoints.openai.serving import error_for
+
+SETTINGS = dict(device="cpu", max_model_len=128, max_num_seqs=8, block_size=16)
+GREEDY = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+
+
+class UnreadablePrompt(list):
+    """Token ids that raise when the engine reads them (while adding the request)."""
+
+    def __iter__(self):
+        raise RuntimeError("cannot read this prompt")
+
+
+class ExplodingStop(str):
+    """A stop string whose length cannot be taken (in the stop-string check)."""
+
+    def __len__(self):
+        raise RuntimeError("stop string exploded")
+
+
+def exploding_params() -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=5, stop=[ExplodingStop("zz")])
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+@pytest.fixture(scope="module")
+def engine(one_thread):
+    engine = LLMEngine("tiny-kimi-k3", **SETTINGS)
+    yield engine
+    engine.close()
+
+
+def test_failed_stop_check_fails_only_its_request(engine):
+    with pytest.raises(RuntimeError, match="stop string exploded"):
+        engine.generate([[5, 6, 7], [8, 9]], [GREEDY, exploding_params()])
+    assert not engine.has_unfinished_requests()
+    (result,) = engine.generate([[5, 6, 7]], GREEDY)
+    assert len(result["token_ids"]) == 5
+
+
+def test_async_engine_survives_requests_that_fail(one_thread):
+    async_engine = AsyncEngine(lambda: LLMEngine("tiny-kimi-k3", **SETTINGS)).start()
+    try:
+
+        async def final(prompt, params):
+            last = None
+            async for output in async_engine.generate(prompt, params):
+                last = output
+            return last
+
+        async def drive():
+            return await asyncio.gather(
+                final([5, 6, 7], GREEDY),
+                final(UnreadablePrompt([5, 6]), GREEDY),
+                final("a prompt", exploding_params()),
+                final("another prompt", GREEDY),
+                return_exceptions=True,
+            )
+
+        good, unreadable, exploded, good_text = asyncio.run(drive())
+        assert len(good.output_token_ids) == 5 and good.finish_reason == "length"
+        assert len(good_text.output_token_ids) == 5
+        assert isinstance(unreadable, RuntimeError)
+        assert "cannot read this prompt" in str(unreadable)
+        assert isinstance(exploded, RequestFailedError)
+        assert async_engine.is_healthy
+        again = asyncio.run(final([5, 6, 7], GREEDY))
+        assert again.output_token_ids == good.output_token_ids
+    finally:
+        async_engine.shutdown()
+
+
+def test_unexpected_error_answers_an_id_and_logs_the_traceback(caplog):
+    try:
+        raise KeyError("/very/private/path/secret.py")
+    except KeyError as error:
+        with caplog.at_level(logging.ERROR):
+            failure = error_for(error)
+    assert failure.status == 500 and failure.kind == "internal_error"
+    assert "\n" not in failure.message and "private" not in failure.message
+    error_id = failure.message.split()[2]
+    assert error_id.startswith("error-")
+    (record,) = [r for r in caplog.records if error_id in r.getMessage()]
+    assert record.exc_info is not None and record.exc_info[0] is KeyError
