@@ -1,8 +1,9 @@
 """Offline throughput of the engine: target-only vs DSpark, across pp x tp layouts.
 
-Prints one line per configuration (tokens/s, tok/fwd, acceptance, and whether its
-greedy token ids equal the first configuration's); each stage's memory ledger is in
-the log. Usage:
+Prints one line per configuration (tokens/s, tok/fwd, acceptance per draft position,
+and whether its greedy token ids equal the first configuration's); each stage's
+memory ledger is in the log. Prompts are cut from the tiny corpus's held-out excerpt
+(`--prompts random` for random token ids). Usage:
 
     python benchmarks/bench_offline.py --model tiny-kimi-k3 --layouts 1x1,2x1 \
         --draft-model tiny-kimi-k3-dspark --num-prompts 16 --output-len 64
@@ -31,6 +32,7 @@ from atom import LLMEngine, SamplingParams
 from atom.models.tiny import build
 from atom.models.tiny import configs as tiny_configs
 from atom.models.tiny import weights as tiny_weights
+from atom.models.tiny.excerpt import held_out_prompts
 
 
 def scaled_k3_checkpoint(hidden: int, dtype: str, out: Path) -> str:
@@ -61,6 +63,12 @@ def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]
     return [[rng.randrange(vocab - 16) for _ in range(length)] for _ in range(n)]
 
 
+def corpus_prompts(llm: LLMEngine, n: int, length: int) -> list[list[int]]:
+    """Held-out verse openings, `length` tokens each (fewer if a verse is short)."""
+    texts = held_out_prompts(n, words=length)
+    return [llm.tokenizer.encode(t, add_special_tokens=False)[:length] for t in texts]
+
+
 def run(
     args: argparse.Namespace, model: str, tp: int, pp: int, spec: bool
 ) -> tuple[str, list[list[int]]]:
@@ -78,8 +86,11 @@ def run(
             num_speculative_tokens=args.num_speculative_tokens,
         )
     llm = LLMEngine(model, **kwargs)
-    vocab = int(llm.config.hf_config.text["vocab_size"])
-    prompts = random_prompts(args.num_prompts, args.input_len, vocab, seed=0)
+    if args.prompts == "corpus":
+        prompts = corpus_prompts(llm, args.num_prompts, args.input_len)
+    else:
+        vocab = int(llm.config.hf_config.text["vocab_size"])
+        prompts = random_prompts(args.num_prompts, args.input_len, vocab, seed=0)
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate(prompts[:2], params)  # warm-up
     start = time.perf_counter()
@@ -90,9 +101,13 @@ def run(
     llm.close()
     extra = ""
     if stats:
+        per_position = ", ".join(
+            f"{100 * rate:.1f}" for rate in stats["per_position_acceptance"]
+        )
         extra = (
             f", tok/fwd {stats['avg_tokens_per_forward']:.2f}, "
-            f"acceptance {100 * stats['acceptance_rate']:.2f}%"
+            f"acceptance {100 * stats['acceptance_rate']:.2f}% "
+            f"(per position: {per_position})"
         )
     label = f"pp{pp} x tp{tp} {'dspark' if spec else 'target-only'}"
     line = f"{label}: {tokens} tokens in {elapsed:.2f} s = {tokens / elapsed:.1f} tok/s"
@@ -146,7 +161,8 @@ def main() -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--num-prompts", type=int, default=16)
-    parser.add_argument("--input-len", type=int, default=64)
+    parser.add_argument("--prompts", choices=["corpus", "random"], default="corpus")
+    parser.add_argument("--input-len", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument(
         "--batch-sizes",

@@ -11,12 +11,12 @@ echo "== tiny K3 and K3.1 + DSpark (fp32), layouts pp x tp"
 for m in k3 k31; do
   python benchmarks/bench_offline.py --device cuda --model tiny-kimi-$m \
     --draft-model tiny-kimi-$m-dspark --layouts 1x1,2x1,2x4 \
-    --num-prompts 16 --input-len 64 --output-len 64 2>&1 | grep "tok/s"
+    --num-prompts 16 --input-len 32 --output-len 128 2>&1 | grep "tok/s"
 done
 
 echo "== scaled K3 layout (bf16), target-only"
 python benchmarks/bench_offline.py --device cuda --scaled-k3 2048 --layouts 1x1,2x1 \
-  --num-prompts 32 --input-len 256 --output-len 64 2>&1 | grep "tok/s"
+  --prompts random --num-prompts 32 --input-len 256 --output-len 64 2>&1 | grep "tok/s"
 
 echo "== server + benchmark client (tiny K3, with and without DSpark)"
 for spec in "" "--method dspark --num-speculative-tokens 7"; do

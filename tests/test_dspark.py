@@ -165,7 +165,7 @@ def test_pp_last_stage_shares_a_real_table_and_never_hooks_it():
 def test_vocab_mismatch_raises_naming_both_sizes():
     draft = KimiK3DSpark(load_hf_config(resolve_model_path(K3_DRAFT)))
     toy = ToyCausalLM(hidden=128, vocab=512)
-    with pytest.raises(ValueError, match="1024.*512"):
+    with pytest.raises(ValueError, match="4096.*512"):
         draft.share_with_target(toy)
     assert draft.embed_tokens is None
 
@@ -244,17 +244,17 @@ def test_prefill_then_propose_end_to_end(pp1):
     greedy = propose_on_host(drafter, anchors, positions, tables, [0.0] * 2)
     ids, probs = greedy.ids, greedy.probs
     assert ids.shape == (2, T) and ids.dtype == torch.long and probs is None
-    assert bool(((ids >= 0) & (ids < 1024)).all())
+    assert bool(((ids >= 0) & (ids < 4096)).all())
     # The block pass embeds through the hooked table but records no tap.
     for before, after in zip(taps_before, drafter.tap_buffers):
         assert torch.equal(before, after)
     mixed = [0.8, 0.0], [0.9, 1.0], [3, 3]  # temperatures, top-p, seeds
     sampled = propose_on_host(drafter, anchors, positions, tables, *mixed)
     ids, probs = sampled.ids, sampled.probs
-    assert probs.shape == (2, T, 1024)
+    assert probs.shape == (2, T, 4096)
     torch.testing.assert_close(probs.sum(-1), torch.ones(2, T))
     assert bool((probs[0].gather(1, ids[0, :, None]) > 0).all())
-    assert torch.equal(probs[1], nn.functional.one_hot(ids[1], 1024).float())
+    assert torch.equal(probs[1], nn.functional.one_hot(ids[1], 4096).float())
     again = propose_on_host(drafter, anchors, positions, tables, *mixed)
     assert torch.equal(again.ids, ids) and torch.equal(again.probs, probs)
     with pytest.raises(ValueError, match="must agree"):

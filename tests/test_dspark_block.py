@@ -31,7 +31,7 @@ def draft_config():
 def draft(draft_config):
     model = KimiK3DSpark(draft_config, configs.k3_text_config())
     load_weights(model, resolve_model_path("tiny-kimi-k3-dspark"))
-    model.share_with_target(ToyCausalLM(hidden=128, vocab=1024))
+    model.share_with_target(ToyCausalLM(hidden=128, vocab=4096))
     CacheEngine([model], NUM_BLOCKS, BLOCK_SIZE, 0, 0, "cpu", torch.float32)
     gen = torch.Generator().manual_seed(0)
     taps = torch.randn(12, TAP_WIDTH, generator=gen)
@@ -76,7 +76,7 @@ def test_block_is_non_causal(draft):
     base = logits(draft, [42, mask, mask, mask], 6)
     changed = logits(draft, [42, mask, mask, 17], 6)
     assert not torch.allclose(base[0], changed[0])  # row T-1 reaches row 0
-    assert base.dtype == torch.float32 and base.shape == (4, 1024)
+    assert base.dtype == torch.float32 and base.shape == (4, 4096)
     block = draft.block_forward(torch.tensor([42]), torch.tensor([6]), TABLE, 4)
     assert torch.equal(block[0], base)
 
@@ -109,7 +109,7 @@ def test_markov_bias_is_w1_row_times_w2_in_fp32(draft):
     bias = draft.markov_bias(prev)
     head = draft.markov_head
     w1, w2 = head.markov_w1.weight.double(), head.markov_w2.weight.double()
-    assert bias.dtype == torch.float32 and bias.shape == (2, 1024)
+    assert bias.dtype == torch.float32 and bias.shape == (2, 4096)
     torch.testing.assert_close(bias, (w1[prev] @ w2.t()).float())
 
 
@@ -165,7 +165,7 @@ def run_sampled(draft, base, anchors, positions, seeds, rows=None):
 
 def test_sampled_q_is_the_exact_filtered_markov_distribution(draft):
     gen = torch.Generator().manual_seed(5)
-    base = torch.randn(3, 4, 1024, generator=gen)
+    base = torch.randn(3, 4, 4096, generator=gen)
     anchors, positions = torch.tensor([8, 900, 31]), torch.tensor([5, 17, 2])
     out = run_sampled(draft, base, anchors, positions, [11, 12, 13])
     again = run_sampled(draft, base, anchors, positions, [11, 12, 13])
@@ -184,7 +184,7 @@ def test_sampled_q_is_the_exact_filtered_markov_distribution(draft):
 
 def test_a_sequence_drafts_the_same_alone_and_in_a_batch(draft):
     gen = torch.Generator().manual_seed(6)
-    base = torch.randn(3, 4, 1024, generator=gen)
+    base = torch.randn(3, 4, 4096, generator=gen)
     anchors, positions = torch.tensor([8, 900, 31]), torch.tensor([5, 17, 2])
     batch = run_sampled(draft, base, anchors, positions, [11, 12, 13])
     for row in range(3):
@@ -244,9 +244,9 @@ def test_lengths_must_agree():
         ("target_num_hidden_layers", 9, "target_num_hidden_layers"),
         ("target_hidden_size", 64, "target_hidden_size"),
         ("hidden_size", 64, "hidden_size"),
-        ("vocab_size", 2048, "vocab_size"),
+        ("vocab_size", 8192, "vocab_size"),
         ("kv_lora_rank", 40, "latent width"),
-        ("mask_token_id", 1024, "mask_token_id"),
+        ("mask_token_id", 4096, "mask_token_id"),
         ("mla_use_output_gate", True, "output gate"),
         ("markov_rank", None, "markov_rank"),
     ],

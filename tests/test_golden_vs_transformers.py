@@ -14,7 +14,7 @@ import torch
 
 from atom.models.kimi_k3.hf_names import to_checkpoint_names
 from atom.models.tiny import resolve_model_path
-from atom.models.tiny.configs import kimi_linear_config
+from atom.models.tiny.configs import TINY_VOCAB_SIZE, TOKEN_IDS, kimi_linear_config
 from atom.models.tiny.weights import kimi_linear_specs
 from tests.reference.k3_golden import GoldenModel
 
@@ -28,7 +28,7 @@ def _kimi_linear_config(q_lora_rank):
     from transformers import KimiLinearConfig
 
     return KimiLinearConfig(
-        vocab_size=1024,
+        vocab_size=TINY_VOCAB_SIZE,
         hidden_size=128,
         intermediate_size=256,
         moe_intermediate_size=64,
@@ -55,9 +55,9 @@ def _kimi_linear_config(q_lora_rank):
             "full_attn_layers": [2, 4],
         },
         first_k_dense_replace=1,
-        pad_token_id=1023,
-        bos_token_id=1016,
-        eos_token_id=1017,
+        pad_token_id=TOKEN_IDS["pad_token_id"],
+        bos_token_id=TOKEN_IDS["bos_token_id"],
+        eos_token_id=TOKEN_IDS["eos_token_id"],
         attn_implementation="eager",
     )
 
@@ -89,7 +89,8 @@ def _randomize(module: torch.nn.Module, seed: int) -> None:
 
 def _random_ids(seed: int, n: int = SEQ_LEN) -> list[int]:
     gen = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 1016, (n,), generator=gen).tolist()
+    plain = TOKEN_IDS["bos_token_id"]  # the special tokens sit above the plain ones
+    return torch.randint(0, plain, (n,), generator=gen).tolist()
 
 
 def _transformers_forward(model, ids):

@@ -12,11 +12,13 @@ from safetensors.torch import load_file
 from atom.models.tiny import (
     TINY_MODELS,
     TINY_VERSION,
+    build,
     build_tiny_checkpoint,
     is_tiny_model,
     resolve_model_path,
 )
-from atom.models.tiny.tokenizer import SPECIAL_TOKENS, train_tokenizer
+from atom.models.tiny.configs import TINY_VOCAB_SIZE as VOCAB
+from atom.models.tiny.tokenizer import SPECIAL_TOKENS
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,23 +50,57 @@ def test_build_is_byte_deterministic(name, built, tmp_path):
     assert first == second
 
 
-def test_targets_and_drafts_use_different_seeds(built):
-    k3, k31 = _load_all(built["tiny-kimi-k3"]), _load_all(built["tiny-kimi-k31"])
-    assert k3.keys() == k31.keys()
-    name = "language_model.model.layers.3.self_attn.q_b_proj.weight"
-    assert not torch.equal(k3[name], k31[name])
+def test_k31_pair_reuses_the_k3_pair(built):
+    """K3.1 is the same stack under another architecture name, so it ships the K3
+    weights, and its draft the K3 draft's (without the embedding copy)."""
+    assert (
+        _load_all(built["tiny-kimi-k3"]).keys()
+        == _load_all(built["tiny-kimi-k31"]).keys()
+    )
+    for name, value in _load_all(built["tiny-kimi-k3"]).items():
+        assert value.equal(_load_all(built["tiny-kimi-k31"])[name]), name
     k3_draft = _load_all(built["tiny-kimi-k3-dspark"])
     k31_draft = _load_all(built["tiny-kimi-k31-dspark"])
-    assert not torch.equal(
-        k3_draft["context_proj.weight"], k31_draft["context_proj.weight"]
-    )
+    assert k3_draft.keys() - k31_draft.keys() == {"embed_tokens.weight"}
+    assert all(k3_draft[n].equal(v) for n, v in k31_draft.items())
+
+
+@pytest.mark.parametrize("name", build.TRAINED_FILES)
+def test_checkpoints_hold_the_shipped_trained_weights(name, built):
+    shipped = load_file(str(build.trained_path(name)))
+    assert all(t.dtype == torch.bfloat16 for t in shipped.values())
+    tensors = _load_all(built[name])
+    assert all(tensors[n].equal(v.float()) for n, v in shipped.items())
+    # Trained: every tensor a gradient reaches moved away from the seeded init.
+    initial = build.initial_tensors(name)
+    untrained = {
+        n for n, v in shipped.items() if v.float().equal(initial[n].bfloat16().float())
+    }
+    assert untrained == _UNTRAINED[name]
+
+
+# Tensors no gradient reaches: the stub vision tower and the draft's confidence
+# head (atom skips both), and layer 0's AttnRes attention-site mix (its bank is
+# empty, so it mixes one candidate: the identity).
+_UNTRAINED = {
+    "tiny-kimi-linear": set(),
+    "tiny-kimi-k3": {
+        "vision_tower.patch_embed.proj.weight",
+        "vision_tower.encoder.final_layernorm.weight",
+        "mm_projector.pre_norm.weight",
+        "mm_projector.proj.0.weight",
+        "language_model.model.layers.0.self_attention_res_proj.weight",
+        "language_model.model.layers.0.self_attention_res_norm.weight",
+    },
+    "tiny-kimi-k3-dspark": {"confidence_head.proj.weight", "confidence_head.bias"},
+}
 
 
 def test_kimi_linear_layout(built):
     tensors = _load_all(built["tiny-kimi-linear"])
     expected = {
-        "model.embed_tokens.weight": (1024, 128),
-        "lm_head.weight": (1024, 128),
+        "model.embed_tokens.weight": (VOCAB, 128),
+        "lm_head.weight": (VOCAB, 128),
         "model.layers.0.self_attn.q_conv1d.weight": (128, 1, 4),
         "model.layers.0.self_attn.A_log": (1, 1, 4, 1),
         "model.layers.0.self_attn.g_a_proj.weight": (32, 128),
@@ -109,7 +145,7 @@ def test_k3_layout_is_sharded_with_real_names(built):
         f"{m}layers.7.block_sparse_moe.experts.7.w1.weight": (64, 64),
         f"{m}layers.7.block_sparse_moe.shared_experts.gate_proj.weight": (128, 128),
         f"{m}output_attn_res_proj.weight": (1, 128),
-        "language_model.lm_head.weight": (1024, 128),
+        "language_model.lm_head.weight": (VOCAB, 128),
         "mm_projector.proj.0.weight": (128, 128),
     }
     assert {n: tuple(tensors[n].shape) for n in expected} == expected
@@ -117,9 +153,9 @@ def test_k3_layout_is_sharded_with_real_names(built):
     assert not any(n.startswith("model.") or "g_a_proj" in n for n in tensors)
 
 
-def test_k3_initialisation_keeps_every_path_alive(built):
-    """kimi_k3.md section 6: zero or constant inits would hide broken paths."""
-    tensors = _load_all(built["tiny-kimi-k3"])
+def test_k3_initialisation_keeps_every_path_alive():
+    """Zero or constant inits would hide broken paths, and training starts here."""
+    tensors = build.initial_tensors("tiny-kimi-k3")
     m = "language_model.model.layers."
     assert tensors[f"{m}2.mlp_res_proj.weight"].abs().min() > 0
     assert tensors[f"{m}2.block_sparse_moe.gate.e_score_correction_bias"].std() > 0.01
@@ -147,7 +183,7 @@ def test_draft_layouts(built):
         "layers.1.self_attn.kv_a_proj_with_mqa.weight": (48, 128),
         "layers.1.self_attn.kv_b_proj.weight": (4 * 64, 32),
         "layers.1.mlp.down_proj.weight": (128, 256),
-        "markov_head.markov_w1.weight": (1024, 16),
+        "markov_head.markov_w1.weight": (VOCAB, 16),
         "confidence_head.proj.weight": (1, 128 + 16),
         "confidence_head.bias": (1,),
         "final_norm.weight": (128,),
@@ -182,10 +218,11 @@ def test_tokenizer_round_trips_and_loads(built):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(built["tiny-kimi-k3"])
-    assert len(tokenizer) == 1024
+    assert len(tokenizer) == VOCAB
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
-    assert list(ids.values()) == list(range(1024 - len(SPECIAL_TOKENS), 1024))
-    assert (tokenizer.bos_token_id, tokenizer.pad_token_id) == (1016, 1023)
+    first_special = VOCAB - len(SPECIAL_TOKENS)
+    assert list(ids.values()) == list(range(first_special, VOCAB))
+    assert (tokenizer.bos_token_id, tokenizer.pad_token_id) == (4088, 4095)
     for text in [
         "Hello, world!",
         "  tabs\tand\nnewlines ",
@@ -193,22 +230,16 @@ def test_tokenizer_round_trips_and_loads(built):
         "x",
     ]:
         encoded = tokenizer.encode(text, add_special_tokens=False)
-        assert max(encoded) < 1016
+        assert max(encoded) < first_special
         assert tokenizer.decode(encoded) == text
-    assert len(tokenizer.encode("The quick brown fox", add_special_tokens=False)) < 10
+    # Trained on the corpus: its words are single tokens.
+    words = "And the LORD spake unto Moses, saying"
+    assert len(tokenizer.encode(words, add_special_tokens=False)) == 8
     chat = [{"role": "user", "content": "hi"}]
     prompt = tokenizer.apply_chat_template(
         chat, tokenize=False, add_generation_prompt=True
     )
     assert prompt == "<|im_user|>hi<|im_end|><|im_assistant|>"
-
-
-def test_tokenizer_rejects_bad_vocab_sizes():
-    with pytest.raises(ValueError, match="vocab_size"):
-        train_tokenizer(100)
-    with pytest.raises(ValueError, match="too large"):
-        train_tokenizer(100_000)
-    assert train_tokenizer(512).get_vocab_size() == 512
 
 
 def test_resolve_model_path(tmp_path, monkeypatch):

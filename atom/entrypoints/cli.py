@@ -9,10 +9,12 @@ from atom.entrypoints.openai_server import raise_open_file_limit
 from atom.model_engine.arg_utils import EngineArgs
 from atom.utils.arg_parser import FlexibleArgumentParser
 
+# The built-in tiny models speak the English of their corpus, the King James Bible
+# (docs/tiny_models.md), so the defaults open verses they can continue.
 DEFAULT_PROMPTS = [
-    "Introduce yourself.",
-    "List all prime numbers below 30.",
-    "1+2+3=?",
+    "And God said unto Noah,",
+    "The LORD is my shepherd;",
+    "And Jesus answered and said unto them,",
 ]
 
 

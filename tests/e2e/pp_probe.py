@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import random
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,11 +16,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer
 
 from atom.model_engine.batch import BatchOutput, ScheduledBatch
 from atom.model_engine.llm_engine import LLMEngine
 from atom.models.tiny import resolve_model_path
 from atom.models.tiny.configs import TOKEN_IDS
+from atom.models.tiny.excerpt import held_out_verses
+from atom.models.tiny.tokenizer import TOKENIZER_FILE
 from atom.models.utils import PPMissingLayer, language_model_of, pp_holds_embedding
 from atom.sampling_params import SamplingParams
 
@@ -56,9 +58,13 @@ def one_torch_thread() -> Iterator[None]:
         torch.set_num_threads(saved)
 
 
-def mixed_prompts(seed: int = 7, lengths=(9, 26, 45, 70)) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(NUM_PLAIN_TOKENS) for _ in range(n)] for n in lengths]
+def corpus_prompts(lengths=(9, 26, 45, 70)) -> list[list[int]]:
+    """Windows of the tokenized held-out excerpt, one per length, spread over it:
+    text the trained tiny models can continue (and their drafts predict)."""
+    tokenizer = Tokenizer.from_file(str(TOKENIZER_FILE))
+    stream = tokenizer.encode(" ".join(held_out_verses())).ids
+    stride = (len(stream) - max(lengths)) // len(lengths)
+    return [stream[i * stride : i * stride + n] for i, n in enumerate(lengths)]
 
 
 def make_engine(target: str, draft: str | None = None, **kwargs) -> LLMEngine:
@@ -114,12 +120,10 @@ def teach_draft(
 ) -> str:
     """A copy of `draft` whose Markov head predicts most transitions of `chains`.
 
-    The tiny drafts are random, so they never agree with the random tiny targets
-    and acceptance would sit at 0 in every layout. Here W1[p] = 1000 * W2[n] for a
-    transition p -> n (W2 rows unit vectors), which dominates the base logits, while
-    every `skip_every`-th transition is left out: those drafts come from the base
-    logits (so from the relayed taps) and are mostly rejected, giving partial
-    acceptance. Everything but the two Markov tables is the original checkpoint.
+    W1[p] = 1000 * W2[n] for a transition p -> n (W2 rows unit vectors) dominates
+    the base logits, while every `skip_every`-th transition is left out: those
+    drafts come from the base logits (so from the relayed taps), which makes
+    partially accepted blocks certain on any prompts, trained draft or not. Everything but the two Markov tables is the original checkpoint.
     """
     source = Path(resolve_model_path(draft))
     out_dir = Path(out_dir)

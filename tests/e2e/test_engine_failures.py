@@ -80,8 +80,8 @@ def engine():
         ("", "prompt is empty"),
         ([[]], "prompt is empty"),
         ([1] * ENGINE_SETTINGS["max_model_len"], "max_model_len=256"),
-        ([3, 1024], "[0, 1024)"),
-        ([3, -1], "[0, 1024)"),
+        ([3, 4096], "[0, 4096)"),
+        ([3, -1], "[0, 4096)"),
     ],
 )
 def test_bad_prompt_is_refused_and_the_engine_goes_on(engine, prompt, message):

@@ -1,11 +1,11 @@
 """DSpark under pipeline parallelism, end to end on CPU with real rank processes.
 
-Each layout starts one engine (ranks over gloo) and runs a mixed greedy batch. Its
-tokens must equal pp1 x tp1 without speculation; the drafts every sequence received
-must equal the pp1 x tp1 DSpark run's (the relay only copies, so a wrong or missing
-tap changes the context rows and with them the drafts); acceptance must stay within
-2 points of pp1. The drafts are the tiny ones with a taught Markov head
-(`teach_draft`): the random tiny drafts never agree with the random targets.
+Each layout starts one engine (ranks over gloo) and runs a greedy batch of held-out
+corpus prompts (9 to 70 tokens). Its tokens must equal pp1 x tp1 without
+speculation; the drafts every sequence received must equal the pp1 x tp1 DSpark
+run's (the relay only copies, so a wrong or missing tap changes the context rows and
+with them the drafts); acceptance must stay within 2 points of pp1. The drafts are
+the shipped ones, distilled from the trained targets.
 """
 
 from __future__ import annotations
@@ -27,16 +27,18 @@ from tests.e2e.pp_probe import (
     PAIRS,
     Recorder,
     acceptance,
+    corpus_prompts,
     draft_context_rows,
     embedding_facts,
     generate_ids,
     make_engine,
-    mixed_prompts,
     one_torch_thread,
-    teach_draft,
 )
 
-PROMPTS = mixed_prompts()
+PROMPTS = corpus_prompts()
+# The shipped drafts on these prompts at pp1 x tp1 (measured: see docs/tiny_models.md);
+# a draft that lost its context rows or embedding falls far below.
+MIN_ACCEPTANCE = 0.25
 TEXT = k3_text_config()
 # One vocab-parallel fp32 table shard is vocab / tp x hidden x 4 bytes.
 VOCAB, HIDDEN = TEXT["vocab_size"], TEXT["hidden_size"]
@@ -49,7 +51,6 @@ def shard_bytes(tp: int) -> int:
 @dataclass
 class Reference:
     ids: list[list[int]]  # pp1 x tp1 without speculation
-    draft: str  # the taught draft folder
     drafts: list[list[list[int]]]  # every draft each sequence got at pp1 x tp1
     acceptance: float  # pp1 x tp1 DSpark
     loaded: dict[str, int]  # parameters the pp1 loader accounted for
@@ -62,7 +63,7 @@ def _one_torch_thread():
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference():
     cache: dict[str, Reference] = {}
 
     def get(key: str) -> Reference:
@@ -71,14 +72,12 @@ def reference(tmp_path_factory):
             engine = make_engine(target)
             ids = generate_ids(engine, PROMPTS)
             engine.close()
-            chains = [prompt[-1:] + out for prompt, out in zip(PROMPTS, ids)]
-            taught = teach_draft(draft, chains, tmp_path_factory.mktemp(key) / "d")
-            engine = make_engine(target, taught)
+            engine = make_engine(target, draft)
             recorder = Recorder(engine)
             assert generate_ids(engine, PROMPTS) == ids
             loaded = engine.workers.info.ranks[0].loaded_parameters
             cache[key] = Reference(
-                ids, taught, recorder.drafts_by_sequence(), acceptance(engine), loaded
+                ids, recorder.drafts_by_sequence(), acceptance(engine), loaded
             )
             engine.close()
         return cache[key]
@@ -134,8 +133,7 @@ LAYOUTS = [
 def test_pp_dspark_matches_pp1(reference, key, pp, tp, partition):
     ref = reference(key)
     engine = make_engine(
-        PAIRS[key][0],
-        ref.draft,
+        *PAIRS[key],
         pipeline_parallel_size=pp,
         tensor_parallel_size=tp,
         pp_layer_partition=partition,
@@ -150,7 +148,7 @@ def test_pp_dspark_matches_pp1(reference, key, pp, tp, partition):
     print(f"\nacceptance {key} pp{pp} x tp{tp}: {rate:.4f} (pp1: {ref.acceptance:.4f})")
     assert ids == ref.ids
     assert recorder.drafts_by_sequence() == ref.drafts
-    assert ref.acceptance > 0.1
+    assert ref.acceptance > MIN_ACCEPTANCE
     assert abs(rate - ref.acceptance) <= 0.02
     check_stages(engine.workers.info, facts, pp, tp, partition, ref)
 

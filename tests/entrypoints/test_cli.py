@@ -25,11 +25,14 @@ def test_generate_prints_each_prompt_and_completion():
     prompts = [line for line in lines if line.startswith("Prompt: ")]
     completions = [line for line in lines if line.startswith("Completion: ")]
     assert prompts == [
-        "Prompt: 'Introduce yourself.'",
-        "Prompt: 'List all prime numbers below 30.'",
-        "Prompt: '1+2+3=?'",
+        "Prompt: 'And God said unto Noah,'",
+        "Prompt: 'The LORD is my shepherd;'",
+        "Prompt: 'And Jesus answered and said unto them,'",
     ]
     assert len(completions) == 3
+    # The trained tiny target answers in words of its corpus.
+    words = " ".join(line.split(":", 1)[1] for line in completions)
+    assert sum(w in words for w in ("the", "and", "LORD", "unto", "of")) >= 2
     assert "tok/s" in lines[-1]
     assert "[MTP Stats" not in out
 

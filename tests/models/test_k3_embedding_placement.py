@@ -46,7 +46,7 @@ def test_embedding_placement(pp_rank, pp_size, method, kv_role, real):
     embed = model.embed_tokens
     if real:
         assert isinstance(embed, VocabParallelEmbedding)
-        assert tuple(embed.weight.shape) == (1024, 128)
+        assert tuple(embed.weight.shape) == (4096, 128)
     else:
         assert isinstance(embed, PPMissingLayer)
         assert not list(embed.parameters())

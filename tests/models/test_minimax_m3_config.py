@@ -21,6 +21,7 @@ from atom.models.minimax_m3.model import (
     MiniMaxM3SparseForConditionalGeneration,
 )
 from atom.models.tiny import resolve_model_path
+from atom.models.tiny.configs import TINY_VOCAB_SIZE
 from atom.models.tiny.minimax import minimax_text_config
 from atom.models.utils import PPMissingLayer, get_pp_indices
 from atom.spec_decode.pp_aux_relay import PPAuxRelay
@@ -163,10 +164,10 @@ def test_embedding_placement(pp_rank, pp_size, method, kv_role, real):
     embed = model.embed_tokens
     if real:
         assert isinstance(embed, VocabParallelEmbedding)
-        assert tuple(embed.weight.shape) == (1024, 64)
+        assert tuple(embed.weight.shape) == (TINY_VOCAB_SIZE, 64)
     else:
         assert isinstance(embed, PPMissingLayer)
-    assert model.vocab_size == 1024  # on every stage, for share_with_target
+    assert model.vocab_size == TINY_VOCAB_SIZE  # on every stage, for share_with_target
     assert isinstance(model.norm, PPMissingLayer) is (pp_rank != pp_size - 1)
     owned = [i for i, m in enumerate(model.layers) if not isinstance(m, PPMissingLayer)]
     assert owned == list(range(model.start_layer, model.end_layer))

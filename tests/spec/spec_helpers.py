@@ -2,18 +2,26 @@
 
 from __future__ import annotations
 
+import json
 import random
+import shutil
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer
 
-from atom import LLMEngine
+from atom import LLMEngine, SamplingParams
 from atom.model_ops.sampling_metadata import SamplingMetadata
+from atom.models.tiny import resolve_model_path
 from atom.models.tiny.configs import TOKEN_IDS
+from atom.models.tiny.excerpt import held_out_prompts
+from atom.models.tiny.tokenizer import TOKENIZER_FILE
 from atom.spec_decode.draft_output import DraftOutput
 
-# target -> its fitted tiny draft
+# target -> its distilled tiny draft
 PAIRS = {
     "tiny-kimi-k3": "tiny-kimi-k3-dspark",
     "tiny-kimi-k31": "tiny-kimi-k31-dspark",
@@ -39,6 +47,16 @@ def random_tokens(rng: random.Random, count: int) -> list[int]:
     return [rng.randrange(NUM_PLAIN_TOKENS) for _ in range(count)]
 
 
+def _encode(text: str) -> list[int]:
+    return Tokenizer.from_file(str(TOKENIZER_FILE)).encode(text).ids
+
+
+def corpus_tokens(count: int, words: int = 12) -> list[list[int]]:
+    """Held-out verse openings (distinct), tokenized: text the trained tiny targets
+    continue and their drafts predict."""
+    return [_encode(text) for text in held_out_prompts(count, words)]
+
+
 def target_engine(target: str, **settings) -> LLMEngine:
     return LLMEngine(target, **{**ENGINE_SETTINGS, **settings})
 
@@ -55,17 +73,56 @@ def spec_engine(
     )
 
 
+def eos_target(
+    target: str, prompt: list[int], first: int, out_dir: Path
+) -> tuple[str, int]:
+    """A copy of `target` whose greedy continuation of `prompt` ends with eos as
+    token n >= `first`: (folder, n). Trained targets rarely argmax eos after a short
+    prompt, so the LM head's eos row becomes the row of the token the target emits
+    there, scaled by 1.001; n is the first position whose token is new to the
+    continuation and not the last of a verify block (of T = 7 drafts), so eos lands
+    inside one. The tests check on a target-only run that eos does come at n."""
+    engine = target_engine(target, max_num_seqs=1)
+    params = SamplingParams(temperature=0, max_tokens=first + 16, ignore_eos=True)
+    (out,) = engine.generate([prompt], params)
+    engine.close()
+    ids = out["token_ids"]
+    # Token 1 comes from the prefill, then blocks of T + 1 = 8.
+    candidates = [
+        n
+        for n in range(first, len(ids) + 1)
+        if ids[n - 1] not in ids[: n - 1] and (n - 1) % 8
+    ]
+    if not candidates:
+        raise AssertionError(f"{target} repeats itself after {prompt}: no new token")
+    n = candidates[0]
+    source = Path(resolve_model_path(target))
+    shutil.copytree(source, out_dir)
+    index = out_dir / "model.safetensors.index.json"
+    head = "language_model.lm_head.weight"
+    shard = json.loads(index.read_text())["weight_map"][head]
+    tensors = load_file(out_dir / shard)
+    weight = tensors[head].clone()
+    weight[EOS] = 1.001 * weight[ids[n - 1]]
+    tensors[head] = weight
+    save_file(tensors, str(out_dir / shard), metadata={"format": "pt"})
+    return str(out_dir), n
+
+
 def runner_of(engine: LLMEngine):
     """The in-process rank's ModelRunner (tp = pp = 1)."""
     return engine.workers.runner
 
 
 def force_drafts(
-    engine: LLMEngine, references: list[list[int]], num_right: int
+    engine: LLMEngine,
+    prompts: list[list[int]],
+    references: list[list[int]],
+    num_right: int,
 ) -> list[list[int]]:
     """Make the drafter right for exactly `num_right` drafts of every step.
 
-    `references` holds each request's full greedy sequence (prompt + target-only
+    `references` holds each request's full greedy sequence (its prompt + target-only
     continuation, at least T tokens past the last one generated). The real
     `propose` still runs; its drafts are replaced by the reference continuation for
     the first `num_right` positions and a different token after. Returns the list
@@ -75,12 +132,34 @@ def force_drafts(
     original: Callable = drafter.propose
     vocab = drafter.model.vocab_size
     proposed: list[list[int]] = []
+    # A request's first KV block -> its reference. Trained targets fall into the
+    # same phrases, so (anchor, position) alone can match several requests; it is
+    # unambiguous at a request's first proposal, which sits right after its prompt.
+    owners: dict[int, list[int]] = {}
+
+    def reference_of(anchor: int, position: int, first_block: int) -> list[int]:
+        owner = owners.get(first_block)
+        if owner is not None and len(owner) > position and owner[position] == anchor:
+            return owner
+        starts = [
+            ref
+            for prompt, ref in zip(prompts, references, strict=True)
+            if len(prompt) == position and ref[position] == anchor
+        ]
+        if len(starts) != 1:
+            raise AssertionError(
+                f"anchor {anchor} at position {position} starts {len(starts)} "
+                "reference sequences; use prompts that tell requests apart"
+            )
+        owners[first_block] = starts[0]
+        return starts[0]
 
     def propose(anchor_ids, anchor_positions, block_tables, sampling):
         drafts = original(anchor_ids, anchor_positions, block_tables, sampling)
         forced = drafts.ids.clone()
-        for row, (anchor, position) in enumerate(zip(anchor_ids, anchor_positions)):
-            sequence = _reference_of(references, int(anchor), int(position))
+        rows = zip(anchor_ids, anchor_positions, block_tables)
+        for row, (anchor, position, table) in enumerate(rows):
+            sequence = reference_of(int(anchor), int(position), int(table[0]))
             for k in range(forced.shape[1]):
                 right = sequence[int(position) + 1 + k]
                 forced[row, k] = right if k < num_right else (right + 1) % vocab
@@ -89,18 +168,6 @@ def force_drafts(
 
     drafter.propose = propose
     return proposed
-
-
-def _reference_of(references: list[list[int]], anchor: int, position: int):
-    matches = [
-        seq for seq in references if len(seq) > position and seq[position] == anchor
-    ]
-    if len(matches) != 1:
-        raise AssertionError(
-            f"anchor {anchor} at position {position} matches {len(matches)} "
-            "reference sequences; use prompts that tell requests apart"
-        )
-    return matches[0]
 
 
 def propose_on_host(

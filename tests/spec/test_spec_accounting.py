@@ -55,7 +55,7 @@ def test_forced_counts_follow_the_general_formulas():
     ]
     reference.close()
     engine = spec_engine(target, T, max_num_seqs=4)
-    force_drafts(engine, sequences, RIGHT)
+    force_drafts(engine, prompts, sequences, RIGHT)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outputs = engine.generate(prompts, params)
     stats = engine.get_mtp_statistics()

@@ -2,27 +2,29 @@
 
 This is the failure speculation hides: the tokens are verified by the target, so a
 draft embedding its block from an unloaded or foreign table still yields the right
-text. Only the acceptance shows it, which is why the fitted drafts must accept well
-above chance and why the loader refuses such drafts.
+text. Only the acceptance shows it, which is why the loader refuses such drafts.
+With a trained target and its distilled draft the first drafts survive in part:
+under greedy decoding the anchor is the target's argmax, which the context rows
+(the target's taps) already carry, and the Markov head indexes token ids, not the
+table. The later drafts, which read the block's embedded rows, lose most of theirs.
 """
 
 from __future__ import annotations
-
-import random
 
 import torch
 
 from atom import SamplingParams
 from atom.model_ops.embed_head import VocabParallelEmbedding
 from tests.spec.spec_helpers import (
+    corpus_tokens,
     one_thread,  # noqa: F401  (autouse fixture)
-    random_tokens,
     runner_of,
     spec_engine,
 )
 
 TARGET = "tiny-kimi-k31"
 T = 7
+LATER = slice(3, T)  # drafts 4..7
 
 
 def _run(wrong_embedding: bool) -> tuple[list[list[int]], dict]:
@@ -34,13 +36,16 @@ def _run(wrong_embedding: bool) -> tuple[list[list[int]], dict]:
         generator = torch.Generator().manual_seed(0)
         table.weight.copy_(torch.randn(table.weight.shape, generator=generator))
         draft._bind_shared("embed_tokens", table)
-    rng = random.Random(17)
-    prompts = [random_tokens(rng, 5 + 3 * i) for i in range(12)]
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-    outputs = engine.generate(prompts, params)
+    outputs = engine.generate(corpus_tokens(12), params)
     stats = engine.get_mtp_statistics()
     engine.close()
     return [out["token_ids"] for out in outputs], stats
+
+
+def _later(stats: dict) -> float:
+    rates = stats["per_position_acceptance"][LATER]
+    return sum(rates) / len(rates)
 
 
 def test_wrong_embedding_keeps_tokens_and_collapses_acceptance():
@@ -48,5 +53,7 @@ def test_wrong_embedding_keeps_tokens_and_collapses_acceptance():
     wrong_tokens, wrong_stats = _run(wrong_embedding=True)
     assert wrong_tokens == tokens
     print(f"right table: {stats}\nwrong table: {wrong_stats}")
-    assert stats["total_accepted_tokens"] >= 12  # measured 24 of 2100
-    assert wrong_stats["total_accepted_tokens"] * 4 <= stats["total_accepted_tokens"]
+    # Measured with the provisional weights: rate 66% -> 41%, drafts 4-7 46% -> 20%.
+    assert stats["acceptance_rate"] >= 0.4
+    assert wrong_stats["acceptance_rate"] <= 0.75 * stats["acceptance_rate"]
+    assert _later(wrong_stats) <= 0.5 * _later(stats)

@@ -1,12 +1,12 @@
 """Greedy speculation is lossless: the tokens are the target-only engine's, exactly.
 
-Both tiny targets with their fitted drafts; batch 1 and a mixed batch of 12 prompts
-(1 to 53 tokens, shared prefixes, chunked prefill), prefix caching on and off,
-T in {1, 3, 7}, max_tokens that end inside a verify block, and a prompt whose greedy
-continuation reaches EOS (also inside a fully accepted block, with a forced drafter).
-The fitted drafts' acceptance must stay far above chance (1 in 1024 per draft): a
-draft that silently lost its context rows, taps or embedding would keep the output
-right and fail only here.
+Both tiny targets with their distilled drafts; batch 1 and a mixed batch of 12
+prompts (1 to 53 tokens, held-out text and random tokens, shared prefixes, chunked
+prefill), prefix caching on and off, T in {1, 3, 7}, max_tokens that end inside a
+verify block, and a prompt whose greedy continuation reaches EOS (also inside a
+fully accepted block, with a forced drafter); for that the targets' LM head is edited
+(`eos_target`). The drafts' acceptance must stay high: a draft that silently lost
+its context rows, taps or embedding would keep the output right and fail only here.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from tests.spec.spec_helpers import (
     BLOCK_SIZE,
     EOS,
     PAIRS,
+    corpus_tokens,
+    eos_target,
     force_drafts,
     one_thread,  # noqa: F401  (autouse fixture)
     random_tokens,
@@ -27,58 +29,53 @@ from tests.spec.spec_helpers import (
     target_engine,
 )
 
-# Prompts whose greedy continuation emits EOS as its 8th (tiny-kimi-k3) or 11th
-# (tiny-kimi-k31) token; asserted on the target-only run.
-EOS_PROMPTS = {
-    "tiny-kimi-k3": [
-        529, 90, 499, 790, 328, 557, 1013, 854, 159, 417, 840, 1008, 875, 156, 561,
-        378, 626, 293, 981, 138, 575, 615, 680,
-    ],
-    "tiny-kimi-k31": [709, 300, 354, 365, 960, 922, 573, 162, 442],
-}  # fmt: skip
 EOS_INDEX = 10
+EOS_FIRST = 6  # eos comes as token 6 or later of this prompt's continuation
 SHARED = [0, 3, 5, 9]  # prompts starting with the shared prefix
 # Mostly not 1 + k(T + 1): the last verify of a request is clipped to T_eff < T.
 MAX_TOKENS = [9, 12, 17, 5, 13, 20, 8, 14, 11, 10, 24, 6]
-# Fitted-draft floors at T = 7 on this batch; measured 1.0% and 4.3% (K3), 1.0% and
-# 4.9% (K3.1); unfitted drafts reach ~0.1-0.2% and ~1% on held-out prompts.
-MIN_ACCEPTANCE_RATE = 0.004
-MIN_FIRST_DRAFT_RATE = 0.02
+# Floors at T = 7 on this batch (a third of it random tokens), far below what the
+# distilled drafts reach (see docs/tiny_models.md) and far above a broken draft's.
+MIN_ACCEPTANCE_RATE = 0.2
+MIN_FIRST_DRAFT_RATE = 0.4
 
 
-def mixed_batch(target: str) -> tuple[list[list[int]], list[SamplingParams]]:
+def mixed_batch() -> tuple[list[list[int]], list[SamplingParams]]:
     rng = random.Random(11)
-    shared = random_tokens(rng, 2 * BLOCK_SIZE)
+    text = corpus_tokens(8, words=40)
+    shared = text[0][: 2 * BLOCK_SIZE]
     prompts = [
-        shared + random_tokens(rng, 5),
+        shared + text[1][:5],
         random_tokens(rng, 1),
-        random_tokens(rng, 40),
+        text[2][:40],
         shared[:20] + random_tokens(rng, 3),
-        random_tokens(rng, 7),
-        shared + random_tokens(rng, 21),
+        text[3][:7],
+        shared + text[4][:21],
         random_tokens(rng, BLOCK_SIZE),
-        random_tokens(rng, 3),
+        text[5][:3],
         random_tokens(rng, 26),
         shared[:33],
-        EOS_PROMPTS[target],
-        random_tokens(rng, 12),
+        text[6][:14],  # the EOS prompt
+        text[7][:12],
     ]
     params = [SamplingParams(temperature=0, max_tokens=n) for n in MAX_TOKENS]
     return prompts, params
 
 
 @pytest.fixture(scope="module", params=list(PAIRS))
-def reference(request):
-    """(target, prompts, params, target-only outputs) of the mixed batch."""
-    target = request.param
-    prompts, params = mixed_batch(target)
+def reference(request, tmp_path_factory):
+    """(target folder, draft, prompts, params, target-only outputs, eos position) of
+    the mixed batch, on the target edited to emit eos on prompt EOS_INDEX."""
+    prompts, params = mixed_batch()
+    folder = tmp_path_factory.mktemp(request.param) / "eos"
+    target, eos_at = eos_target(request.param, prompts[EOS_INDEX], EOS_FIRST, folder)
     engine = target_engine(target, max_num_seqs=16, max_num_batched_tokens=128)
     outputs = engine.generate(prompts, params)
     engine.close()
     eos_run = outputs[EOS_INDEX]
     assert eos_run["finish_reason"] == "stop" and eos_run["token_ids"][-1] == EOS
-    assert len(eos_run["token_ids"]) < MAX_TOKENS[EOS_INDEX]
-    return target, prompts, params, outputs
+    assert len(eos_run["token_ids"]) == eos_at < MAX_TOKENS[EOS_INDEX]
+    return target, PAIRS[request.param], prompts, params, outputs, eos_at
 
 
 def _tokens(outputs: list[dict]) -> list[list[int]]:
@@ -91,10 +88,11 @@ def _tokens(outputs: list[dict]) -> list[list[int]]:
     ids=["T7-prefix-chunked", "T3-no-prefix-chunked", "T1-prefix"],
 )
 def test_mixed_batch_matches_target_only(reference, num_spec, prefix_caching, chunk):
-    target, prompts, params, expected = reference
+    target, draft, prompts, params, expected, _ = reference
     engine = spec_engine(
         target,
         num_spec,
+        draft,
         # One state checkpoint per sequence slot: 16 keep every prompt's, so the
         # second pass below resumes from them.
         max_num_seqs=16,
@@ -123,8 +121,10 @@ def test_mixed_batch_matches_target_only(reference, num_spec, prefix_caching, ch
 
 @pytest.mark.parametrize("num_spec", [1, 3, 7])
 def test_batch_of_one_matches_target_only(reference, num_spec):
-    target, prompts, params, expected = reference
-    engine = spec_engine(target, num_spec, max_num_seqs=1, max_num_batched_tokens=32)
+    target, draft, prompts, params, expected, _ = reference
+    engine = spec_engine(
+        target, num_spec, draft, max_num_seqs=1, max_num_batched_tokens=32
+    )
     for index in (EOS_INDEX, 2):  # EOS mid-run; a 40-token prompt in 2 chunks
         (out,) = engine.generate([prompts[index]], [params[index]])
         assert out["token_ids"] == expected[index]["token_ids"]
@@ -132,20 +132,20 @@ def test_batch_of_one_matches_target_only(reference, num_spec):
     engine.close()
 
 
-@pytest.mark.parametrize("target", list(PAIRS))
-def test_eos_inside_an_accepted_block(target):
+def test_eos_inside_an_accepted_block(reference):
     """With every draft right, each verify emits T + 1 tokens; EOS lands inside a
     block, the tokens after it are dropped and the block still counts T accepted."""
-    prompt, width = EOS_PROMPTS[target], 7
+    target, draft, prompts, _, _, eos_at = reference
+    prompt, width = prompts[EOS_INDEX], 7
     reference = target_engine(target, max_num_seqs=1)
     long_run = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     (full,) = reference.generate([prompt], long_run)
     reference.close()
     stop_at = full["token_ids"].index(EOS) + 1
     # Token 1 comes from the prefill, then blocks of T + 1: EOS is not a block end.
-    assert (stop_at - 1) % (width + 1) != 0
-    engine = spec_engine(target, width, max_num_seqs=1)
-    force_drafts(engine, [prompt + full["token_ids"]], width)
+    assert stop_at == eos_at and (stop_at - 1) % (width + 1) != 0
+    engine = spec_engine(target, width, draft, max_num_seqs=1)
+    force_drafts(engine, [prompt], [prompt + full["token_ids"]], width)
     (out,) = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=24))
     stats = engine.get_mtp_statistics()
     engine.close()

@@ -81,7 +81,7 @@ def expected_acceptance(num_right: int) -> tuple[list[int], bool]:
 def test_state_and_tokens_after_partial_acceptance(reference, num_right):
     target, prompt, sequence, reference_states = reference
     engine = spec_engine(target, T, **SETTINGS)
-    proposed = force_drafts(engine, [sequence], num_right)
+    proposed = force_drafts(engine, [prompt], [sequence], num_right)
     cache = runner_of(engine).cache
     real_commit = cache.commit
     commits = []

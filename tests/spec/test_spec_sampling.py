@@ -25,13 +25,13 @@ from atom.model_engine.batch import SeqWork
 from atom.model_engine.cache_engine import CacheEngine
 from atom.model_engine.model_inputs import prepare_inputs
 from atom.model_ops.sampler import probs_for
-from atom.models.tiny.fit_draft import load_target
 from atom.utils.forward_context import ForwardContext, set_forward_context
 from tests.spec.spec_helpers import (
     BLOCK_SIZE,
     one_thread,  # noqa: F401  (autouse fixture)
     spec_engine,
 )
+from tools.prefill import load_model
 
 TARGET = "tiny-kimi-k3"
 PROMPT = [17, 404, 911, 268, 5]
@@ -49,7 +49,7 @@ CHI2_999 = {3: 16.266, 7: 24.322}
 @pytest.fixture(scope="module")
 def target():
     """The target alone, with caches for one prefill of many short sequences."""
-    model, _ = load_target(TARGET)
+    model, _ = load_model(TARGET)
     return model
 
 

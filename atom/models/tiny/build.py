@@ -1,15 +1,19 @@
 """Writers of the tiny checkpoint folders: config, safetensors, tokenizer, generation.
 
-| name | layout | seed |
+| name | layout | weights |
 |---|---|---|
-| tiny-kimi-linear | flat `model.*` / `lm_head.*`, one file | 11 |
-| tiny-kimi-k3 | `language_model.*` + stub vision, two shards with an index | 3 |
-| tiny-kimi-k31 | as K3, `KimiK31ForConditionalGeneration` | 31 |
-| tiny-kimi-k3-dspark | draft with an `embed_tokens` copy of tiny-kimi-k3's table | 103 |
-| tiny-kimi-k31-dspark | draft without `embed_tokens` | 131 |
+| tiny-kimi-linear | flat `model.*` / `lm_head.*`, one file | `trained/tiny-kimi-linear` |
+| tiny-kimi-k3 | `language_model.*` + stub vision, two shards with an index | `trained/tiny-kimi-k3` |
+| tiny-kimi-k31 | as K3, `KimiK31ForConditionalGeneration` | `trained/tiny-kimi-k3` |
+| tiny-kimi-k3-dspark | draft plus a copy of tiny-kimi-k3's embedding | `trained/tiny-kimi-k3-dspark` |
+| tiny-kimi-k31-dspark | the same draft without `embed_tokens` | `trained/tiny-kimi-k3-dspark` |
 
-The drafts' own weights come from `fitted/<name>.safetensors` (written by
-`python -m atom.models.tiny.fit_draft`); the seed fills the rest (the confidence head).
+The shipped weights (`trained/<name>.safetensors`, bf16, written by
+`python -m tools.train_tiny`, see docs/tiny_models.md) are language models trained
+on the tiny corpus and a DSpark draft distilled from the K3 target; checkpoints hold
+them as float32. Training starts from `initial_tensors`, the seeded init of
+`weights.py`; the untrained parts (stub vision tensors, the draft's confidence
+head) keep those values.
 """
 
 import json
@@ -22,9 +26,12 @@ from safetensors.torch import load_file, save_file
 from atom.models.tiny import configs, weights
 from atom.models.tiny.tokenizer import build_tokenizer
 
-KIMI_LINEAR_SEED, K3_SEED, K31_SEED = 11, 3, 31
-K3_DRAFT_SEED, K31_DRAFT_SEED = 103, 131
+KIMI_LINEAR_SEED, K3_SEED, K3_DRAFT_SEED = 11, 3, 103
 K3_TARGET_EMBED_NAME = "language_model.model.embed_tokens.weight"
+DRAFT_EMBED_NAME = "embed_tokens.weight"
+TRAINED_DIR = Path(__file__).parent / "trained"
+# The shipped weight files: the K3.1 pair reuses the K3 pair's.
+TRAINED_FILES = ("tiny-kimi-linear", "tiny-kimi-k3", "tiny-kimi-k3-dspark")
 
 
 def _write_json(path: Path, data: dict) -> None:
@@ -60,22 +67,93 @@ def _write_common(out: Path, config: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
     _write_json(out / "config.json", config)
     _write_json(out / "generation_config.json", configs.generation_config())
-    build_tokenizer(out, configs.TINY_VOCAB_SIZE)
+    build_tokenizer(out)
 
 
-def build_kimi_linear(out_dir: str | Path) -> None:
+def _conform(
+    specs: list[weights.TensorSpec], tensors: dict[str, torch.Tensor], what: str
+) -> dict[str, torch.Tensor]:
+    """`tensors` as float32 in spec order, after checking names and shapes."""
+    expected = {spec.name: spec.shape for spec in specs}
+    missing, extra = sorted(expected.keys() - tensors), sorted(
+        tensors - expected.keys()
+    )
+    if missing or extra:
+        raise ValueError(
+            f"{what} does not fit its config: missing {missing[:5]}, extra {extra[:5]}"
+        )
+    for name, shape in expected.items():
+        if tuple(tensors[name].shape) != shape:
+            raise ValueError(
+                f"{what}: {name} has shape {tuple(tensors[name].shape)}, the config "
+                f"needs {shape}"
+            )
+    return {name: tensors[name].float().contiguous() for name in expected}
+
+
+def kimi_linear_specs() -> list[weights.TensorSpec]:
+    return weights.kimi_linear_specs(configs.kimi_linear_config())
+
+
+def k3_specs() -> list[weights.TensorSpec]:
+    return weights.k3_specs(configs.k3_config("KimiK3ForConditionalGeneration"))
+
+
+def dspark_specs() -> list[weights.TensorSpec]:
+    """The draft's own tensors (no `embed_tokens`)."""
+    config = configs.dspark_config(configs.k3_text_config())
+    return weights.dspark_specs(config, with_embedding=False)
+
+
+_SPECS_AND_SEEDS = {
+    "tiny-kimi-linear": (kimi_linear_specs, KIMI_LINEAR_SEED),
+    "tiny-kimi-k3": (k3_specs, K3_SEED),
+    "tiny-kimi-k3-dspark": (dspark_specs, K3_DRAFT_SEED),
+}
+
+
+def initial_tensors(name: str) -> dict[str, torch.Tensor]:
+    """The seeded init of a trained file's tensors (where training starts)."""
+    if name not in _SPECS_AND_SEEDS:
+        raise ValueError(
+            f"no weights named {name!r}; known: {', '.join(TRAINED_FILES)}"
+        )
+    specs, seed = _SPECS_AND_SEEDS[name]
+    return weights.materialize(specs(), seed)
+
+
+def trained_path(name: str) -> Path:
+    return TRAINED_DIR / f"{name}.safetensors"
+
+
+def trained_tensors(name: str) -> dict[str, torch.Tensor]:
+    """The shipped trained weights of `name` (one of TRAINED_FILES), float32."""
+    if name not in _SPECS_AND_SEEDS:
+        raise ValueError(
+            f"no weights named {name!r}; known: {', '.join(TRAINED_FILES)}"
+        )
+    specs, _ = _SPECS_AND_SEEDS[name]
+    return _conform(
+        specs(), load_file(str(trained_path(name))), str(trained_path(name))
+    )
+
+
+def write_kimi_linear(out_dir: str | Path, tensors: dict[str, torch.Tensor]) -> None:
     out = Path(out_dir)
-    config = configs.kimi_linear_config()
-    _write_common(out, config)
-    tensors = weights.materialize(weights.kimi_linear_specs(config), KIMI_LINEAR_SEED)
-    _save(tensors, out / "model.safetensors")
+    _write_common(out, configs.kimi_linear_config())
+    _save(
+        _conform(kimi_linear_specs(), tensors, "tiny-kimi-linear"),
+        out / "model.safetensors",
+    )
 
 
-def _build_k3_layout(out_dir: str | Path, architecture: str, seed: int) -> None:
+def write_k3_layout(
+    out_dir: str | Path, architecture: str, tensors: dict[str, torch.Tensor]
+) -> None:
     out = Path(out_dir)
     config = configs.k3_config(architecture)
     _write_common(out, config)
-    tensors = weights.materialize(weights.k3_specs(config), seed)
+    tensors = _conform(k3_specs(), tensors, architecture)
     # Shard 1 holds vision, the embedding and the first half of the layers.
     half = config["text_config"]["num_hidden_layers"] // 2
     first_half = tuple(f"language_model.model.layers.{i}." for i in range(half))
@@ -89,76 +167,47 @@ def _build_k3_layout(out_dir: str | Path, architecture: str, seed: int) -> None:
     _write_sharded(tensors, out, first)
 
 
-def build_k3(out_dir: str | Path) -> None:
-    _build_k3_layout(out_dir, "KimiK3ForConditionalGeneration", K3_SEED)
-
-
-def build_k31(out_dir: str | Path) -> None:
-    _build_k3_layout(out_dir, "KimiK31ForConditionalGeneration", K31_SEED)
-
-
-FITTED_DIR = Path(__file__).parent / "fitted"
-
-# Draft name -> (seed of its random init, seed of the target whose embedding it
-# copies, or None for a draft shipped without `embed_tokens`).
-DRAFT_SEEDS: dict[str, tuple[int, int | None]] = {
-    "tiny-kimi-k3-dspark": (K3_DRAFT_SEED, K3_SEED),
-    "tiny-kimi-k31-dspark": (K31_DRAFT_SEED, None),
-}
-
-
-def fitted_draft_path(name: str) -> Path:
-    """The shipped fitted weights of a tiny draft (see `fit_draft`)."""
-    return FITTED_DIR / f"{name}.safetensors"
-
-
-def _override(
-    tensors: dict[str, torch.Tensor], fitted: dict[str, torch.Tensor]
+def write_dspark_draft(
+    out_dir: str | Path,
+    tensors: dict[str, torch.Tensor],
+    embedding: torch.Tensor | None,
 ) -> None:
-    unknown = sorted(set(fitted) - set(tensors))
-    if unknown:
-        raise ValueError(f"fitted draft tensors {unknown} are not draft tensors")
-    for name, value in fitted.items():
-        if value.shape != tensors[name].shape:
-            raise ValueError(
-                f"fitted {name} has shape {tuple(value.shape)}, the draft "
-                f"{tuple(tensors[name].shape)}"
-            )
-        tensors[name] = value.float().contiguous()
-
-
-def build_dspark_draft(
-    name: str, out_dir: str | Path, fitted: dict[str, torch.Tensor] | None
-) -> None:
-    """Write draft `name`: its seeded random init, with `fitted` tensors replacing
-    the trained ones (None: the unfitted draft `fit_draft` starts from)."""
-    if name not in DRAFT_SEEDS:
-        raise ValueError(
-            f"unknown tiny draft {name!r}; known: {', '.join(DRAFT_SEEDS)}"
-        )
-    seed, embedding_of_seed = DRAFT_SEEDS[name]
+    """A draft folder: its own tensors, plus `embed_tokens` when `embedding` is
+    given (a copy of the target's table, which atom never loads)."""
     out = Path(out_dir)
-    config = configs.dspark_config(configs.k3_text_config())
-    _write_common(out, config)
-    with_embedding = embedding_of_seed is not None
-    specs = weights.dspark_specs(config, with_embedding=with_embedding)
-    copies = {"embed_tokens.weight": (K3_TARGET_EMBED_NAME, embedding_of_seed)}
-    tensors = weights.materialize(specs, seed, copies if with_embedding else None)
-    if fitted is not None:
-        _override(tensors, fitted)
+    _write_common(out, configs.dspark_config(configs.k3_text_config()))
+    tensors = _conform(dspark_specs(), tensors, "tiny DSpark draft")
+    if embedding is not None:
+        tensors[DRAFT_EMBED_NAME] = embedding.float().contiguous()
     _save(tensors, out / "model.safetensors")
 
 
+def build_kimi_linear(out_dir: str | Path) -> None:
+    write_kimi_linear(out_dir, trained_tensors("tiny-kimi-linear"))
+
+
+def build_k3(out_dir: str | Path) -> None:
+    write_k3_layout(
+        out_dir, "KimiK3ForConditionalGeneration", trained_tensors("tiny-kimi-k3")
+    )
+
+
+def build_k31(out_dir: str | Path) -> None:
+    """The K3 weights under the K3.1 architecture name (the same stack)."""
+    write_k3_layout(
+        out_dir, "KimiK31ForConditionalGeneration", trained_tensors("tiny-kimi-k3")
+    )
+
+
 def build_k3_dspark(out_dir: str | Path) -> None:
-    """K3 draft fitted to tiny-kimi-k3; ships a copy of its embedding (atom skips it)."""
-    name = "tiny-kimi-k3-dspark"
-    build_dspark_draft(name, out_dir, load_file(fitted_draft_path(name)))
+    """The draft distilled from tiny-kimi-k3, shipping a copy of its embedding."""
+    embedding = trained_tensors("tiny-kimi-k3")[K3_TARGET_EMBED_NAME]
+    write_dspark_draft(out_dir, trained_tensors("tiny-kimi-k3-dspark"), embedding)
 
 
 def build_k31_dspark(out_dir: str | Path) -> None:
-    """K3.1 draft fitted to tiny-kimi-k31; no `embed_tokens`, as Inferact's."""
-    name = "tiny-kimi-k31-dspark"
-    build_dspark_draft(name, out_dir, load_file(fitted_draft_path(name)))
+    """The same draft without `embed_tokens`, as Inferact's K3.1 draft."""
+    write_dspark_draft(out_dir, trained_tensors("tiny-kimi-k3-dspark"), None)
 
 
 BUILDERS: dict[str, Callable[[str | Path], None]] = {

@@ -8,7 +8,7 @@ so `transformers.AutoConfig` reads the Kimi Linear one unchanged.
 
 from atom.models.tiny.tokenizer import bos_eos_pad_mask_ids
 
-TINY_VOCAB_SIZE = 1024
+TINY_VOCAB_SIZE = 4096
 TOKEN_IDS = bos_eos_pad_mask_ids(TINY_VOCAB_SIZE)
 _SPECIAL_IDS = {
     key: TOKEN_IDS[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id")

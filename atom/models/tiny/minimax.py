@@ -11,7 +11,7 @@ index heads), layers 0-1 dense with full attention and 2-5 MoE with block-sparse
 attention (pp2: stage 0 holds both kinds), index blocks of 4 positions and top-2
 blocks (prompts past 8 tokens exercise selection), a router bias large enough to
 flip choices, and expert 0 scaled so its pre-activations cross the swigluoai clamps.
-The vocabulary is the tiny tokenizer's 1024 ids (it needs at least 264).
+The vocabulary is the tiny tokenizer's (TINY_VOCAB_SIZE ids, the same BPE).
 """
 
 from __future__ import annotations

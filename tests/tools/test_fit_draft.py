@@ -1,29 +1,22 @@
-"""The fitting script trains the engine's draft math, and the tiny drafts ship fitted.
+"""The distillation trains the engine's draft math.
 
 `draft_objective.block_logits` is a differentiable whole-sequence rewrite of the
 engine's paged block pass; it must give the engine path's logits on the same inputs,
-or the fitted weights would be fitted to a different model.
+or the draft would be distilled into a different model.
 """
 
 from __future__ import annotations
 
-import argparse
-
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from atom.model_engine.cache_engine import CacheEngine
-from atom.models.tiny import fit_draft, resolve_model_path
-from atom.models.tiny.build import (
-    DRAFT_SEEDS,
-    build_dspark_draft,
-    fitted_draft_path,
-)
-from atom.models.tiny.configs import dspark_config, k3_text_config
-from atom.models.tiny.draft_objective import block_logits, teacher_forced_logits
-from atom.models.tiny.weights import dspark_specs, materialize
+from atom.models.tiny import resolve_model_path
 from tests.spec.spec_helpers import one_thread  # noqa: F401  (autouse fixture)
+from tools import fit_draft
+from tools.draft_objective import block_logits, teacher_forced_logits
+from tools.export import export_checkpoint
+from tools.prefill import load_model
 
 TARGET = "tiny-kimi-k3"
 DRAFT = "tiny-kimi-k3-dspark"
@@ -32,11 +25,11 @@ BLOCK = 4
 
 @pytest.fixture(scope="module")
 def setup():
-    target, config = fit_draft.load_target(TARGET)
+    target, config = load_model(TARGET)
     draft = fit_draft.load_draft(resolve_model_path(DRAFT), target, config)
     generator = torch.Generator().manual_seed(0)
     sequences = [
-        torch.randint(0, 1000, (n,), generator=generator).tolist() for n in (30, 19)
+        torch.randint(0, 4000, (n,), generator=generator).tolist() for n in (30, 19)
     ]
     traces = fit_draft.trace(target, list(draft.tap_ids), sequences, [0, 0])
     return target, config, draft, traces
@@ -82,49 +75,29 @@ def test_training_forward_equals_engine_block_pass(setup):
     torch.testing.assert_close(again[0, 0], base[0, 1])
 
 
-def test_checkpoint_tensors_round_trip(setup, tmp_path):
-    target, config, draft, _ = setup
-    tensors = fit_draft.checkpoint_tensors(draft)
-    assert "layers.0.mlp.gate_proj.weight" in tensors
-    assert not any(name.startswith(("embed_tokens", "lm_head")) for name in tensors)
-    build_dspark_draft(DRAFT, tmp_path, fitted=tensors)
-    reloaded = fit_draft.load_draft(str(tmp_path), target, config)
-    for (name, a), (_, b) in zip(draft.named_parameters(), reloaded.named_parameters()):
-        assert a.equal(b), name
-
-
-def test_training_is_seeded_and_lowers_the_loss(setup):
+def test_training_is_seeded_and_moves_only_the_drafts_own_weights(setup):
     target, config, _, traces = setup
-    args = argparse.Namespace(
-        seed=0, steps=4, lr=3e-3, batch_seqs=2, anchors_per_seq=3,
-        num_speculative_tokens=7,
+    settings = fit_draft.DraftSettings(
+        prompts=0, prompt_len=(1, 1), new_tokens=0, sample_temperature=1.0,
+        corpus_windows=0, window_len=0, steps=3, batch_seqs=2, anchors_per_seq=3,
+        lr=3e-3, warmup_steps=1,
     )  # fmt: skip
+    embedding = target.language_model.model.embed_tokens.weight.clone()
     results = []
     for _ in range(2):
         draft = fit_draft.load_draft(resolve_model_path(DRAFT), target, config)
-        losses = fit_draft.train(draft, traces, args)
-        results.append((losses, fit_draft.checkpoint_tensors(draft)))
-    (losses, tensors), (losses_again, tensors_again) = results
+        template = {n: p.detach().clone() for n, p in draft.named_parameters()}
+        losses = fit_draft.train(draft, traces, settings, seed=0)
+        results.append((losses, {n: p.clone() for n, p in draft.named_parameters()}))
+    (losses, params), (losses_again, params_again) = results
     assert losses == losses_again
-    assert all(tensors[n].equal(tensors_again[n]) for n in tensors)
+    assert all(params[n].equal(params_again[n]) for n in params)
+    assert any(not params[n].equal(template[n]) for n in params)
     assert not any(p.requires_grad for p in draft.parameters())
-
-
-@pytest.mark.parametrize("name", list(DRAFT_SEEDS))
-def test_tiny_drafts_ship_their_fitted_weights(name):
-    fitted = load_file(str(fitted_draft_path(name)))
-    shipped = load_file(f"{resolve_model_path(name)}/model.safetensors")
-    for tensor_name, value in fitted.items():
-        assert value.dtype == torch.float32
-        assert shipped[tensor_name].equal(value), tensor_name
-    # Fitted: every trained tensor moved away from its seeded initialisation.
-    config = dspark_config(k3_text_config())
-    seed, embedding_of = DRAFT_SEEDS[name]
-    initial = materialize(dspark_specs(config, with_embedding=False), seed)
-    assert all(not initial[n].equal(v) for n, v in fitted.items())
-    # Only the draft's own weights are fitted; the layouts stay as published.
-    assert set(initial) - set(fitted) == {
-        "confidence_head.proj.weight",
-        "confidence_head.bias",
-    }
-    assert ("embed_tokens.weight" in shipped) == (embedding_of is not None)
+    assert target.language_model.model.embed_tokens.weight.equal(embedding)
+    # The shared table and head are not the draft's parameters.
+    assert not any(n.startswith(("embed_tokens", "lm_head")) for n in params)
+    # The export splits the merged projection back into its checkpoint halves.
+    up = "layers.0.mlp.up_proj.weight"
+    shipped = export_checkpoint(draft, {up: torch.zeros(256, 128)})
+    assert shipped[up].equal(draft.layers[0].mlp.gate_up_proj.weight[256:])

@@ -6,7 +6,7 @@ anchors per sequence, so this module evaluates the same equations (dspark.md 3.2
 for a batch of sequences and a set of anchors in each, through the draft's own
 submodules: context rows 0..p of an anchor come from the taps, block rows
 [x_{p+1}, m, ..., m] sit at positions p+1..p+T and see each other non-causally.
-`tests/spec/test_fit_draft.py` checks it against the engine path.
+`tests/tools/test_fit_draft.py` checks it against the engine path.
 """
 
 from __future__ import annotations

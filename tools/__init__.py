@@ -1,0 +1,1 @@
+"""Offline tools that build the tiny models' assets (corpus, tokenizer, weights)."""

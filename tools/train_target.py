@@ -1,0 +1,195 @@
+"""Train a tiny target as a language model on the corpus: next-token cross-entropy.
+
+Batches are random windows of the training token stream (chapters, each followed
+by eos), drawn from a seeded generator; `seconds` > 0 bounds the run by time
+(`tools.step_plan`). AdamW with linear warm-up and cosine decay
+trains every parameter but the routers' correction biases, which carry no gradient
+(they only pick experts): after each step they move against the measured load,
+by `bias_update_rate` times its sign, so that the experts share the tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from atom.models.kimi_k3.moe import KimiMoE
+from tools.prefill import prefill
+from tools.step_plan import StepPlan
+
+EVAL_WINDOWS_PER_FORWARD = 16
+
+
+@dataclass(frozen=True)
+class TargetSettings:
+    steps: int
+    seqs_per_step: int
+    seq_len: int
+    lr: float
+    warmup_steps: int
+    weight_decay: float = 0.1
+    min_lr_ratio: float = 0.1
+    bias_update_rate: float = 1e-3
+    grad_clip: float = 1.0
+    seconds: float = 0.0  # time budget; 0: exactly `steps`, else at most `steps`
+
+
+def token_stream(encode: Callable[[str], list[int]], texts: list[str], eos: int):
+    """All texts as one 1-D LongTensor, each text followed by `eos`."""
+    ids: list[int] = []
+    for text in texts:
+        ids.extend(encode(text))
+        ids.append(eos)
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def random_windows(
+    stream: torch.Tensor, count: int, length: int, generator: torch.Generator
+) -> torch.Tensor:
+    """[count, length] windows of `stream` at seeded random offsets."""
+    if stream.numel() <= length:
+        raise ValueError(
+            f"a stream of {stream.numel()} tokens has no window of {length}"
+        )
+    starts = torch.randint(0, stream.numel() - length, (count,), generator=generator)
+    return torch.stack([stream[s : s + length] for s in starts.tolist()])
+
+
+def next_token_loss(model: nn.Module, windows: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of predicting windows[:, 1:] from windows[:, :-1]."""
+    inputs, targets = windows[:, :-1], windows[:, 1:]
+    hidden = prefill(model, inputs.tolist())
+    logits = model.compute_logits(hidden).float()
+    return F.cross_entropy(logits, targets.reshape(-1).to(logits.device))
+
+
+class ExpertBalancer:
+    """Counts the tokens each routed expert receives and nudges the routers'
+    correction biases towards an even load (auxiliary-loss-free balancing)."""
+
+    def __init__(self, model: nn.Module, rate: float) -> None:
+        self.rate = rate
+        self.moes = [m for m in model.modules() if isinstance(m, KimiMoE)]
+        self.loads = [torch.zeros(m.experts.num_experts) for m in self.moes]
+        self.handles = [
+            moe.experts.register_forward_pre_hook(self._counter(i))
+            for i, moe in enumerate(self.moes)
+        ]
+
+    def _counter(self, index: int):
+        def count(module: nn.Module, args: tuple) -> None:
+            expert_ids = args[2]
+            counts = torch.bincount(expert_ids.flatten(), minlength=module.num_experts)
+            self.loads[index] += counts.cpu().float()
+
+        return count
+
+    @torch.no_grad()
+    def step(self) -> float:
+        """Apply the bias updates; returns the worst max/mean load of this step."""
+        worst = 1.0
+        for moe, load in zip(self.moes, self.loads):
+            if load.sum() > 0:
+                worst = max(worst, float(load.max() / load.mean()))
+                bias = moe.gate.e_score_correction_bias
+                bias += self.rate * torch.sign(load.mean() - load).to(bias.device)
+            load.zero_()
+        return worst
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def _optimizer(model: nn.Module, settings: TargetSettings) -> torch.optim.AdamW:
+    trained = [
+        (name, p)
+        for name, p in model.named_parameters()
+        if not name.endswith("e_score_correction_bias")
+    ]
+    for _, p in trained:
+        p.requires_grad_(True)
+    # Matrices decay; norms, gates' biases and per-channel vectors do not.
+    decayed = [p for _, p in trained if p.dim() >= 2]
+    plain = [p for _, p in trained if p.dim() < 2]
+    groups = [
+        {"params": decayed, "weight_decay": settings.weight_decay},
+        {"params": plain, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=settings.lr, betas=(0.9, 0.95))
+
+
+def learning_rate(settings: TargetSettings, step: int, total: int) -> float:
+    if step < settings.warmup_steps:
+        return settings.lr * (step + 1) / settings.warmup_steps
+    span = max(1, total - settings.warmup_steps)
+    progress = (step - settings.warmup_steps) / span
+    floor = settings.min_lr_ratio
+    return settings.lr * (
+        floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+    )
+
+
+def train_target(
+    model: nn.Module,
+    stream: torch.Tensor,
+    settings: TargetSettings,
+    seed: int,
+    progress: Callable[[int, int, float], None] | None = None,
+) -> list[float]:
+    """Train `model` in place; the loss of every step (their count is the number of
+    steps run). Parameters end frozen. `progress(step, total, loss)`."""
+    generator = torch.Generator().manual_seed(seed)
+    plan = StepPlan(settings.steps, settings.seconds, settings.warmup_steps)
+    optimizer = _optimizer(model, settings)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    balancer = ExpertBalancer(model, settings.bias_update_rate)
+    losses = []
+    try:
+        step = 0
+        while step < plan.total:
+            for group in optimizer.param_groups:
+                group["lr"] = learning_rate(settings, step, plan.total)
+            windows = random_windows(
+                stream, settings.seqs_per_step, settings.seq_len + 1, generator
+            )
+            loss = next_token_loss(model, windows)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, settings.grad_clip)
+            optimizer.step()
+            balancer.step()
+            losses.append(loss.item())
+            plan.after_step(step)
+            if progress is not None:
+                progress(step, plan.total, losses[-1])
+            step += 1
+    finally:
+        balancer.remove()
+        for p in model.parameters():
+            p.requires_grad_(False)
+    return losses
+
+
+@torch.no_grad()
+def perplexity(model: nn.Module, stream: torch.Tensor, seq_len: int) -> float:
+    """exp(mean next-token cross-entropy) over consecutive windows of `stream`
+    (each window predicts its last seq_len tokens from the ones before)."""
+    count = (stream.numel() - 1) // seq_len
+    if count < 1:
+        raise ValueError(
+            f"a stream of {stream.numel()} tokens has no window of {seq_len}"
+        )
+    windows = torch.stack(
+        [stream[i * seq_len : (i + 1) * seq_len + 1] for i in range(count)]
+    )
+    total = 0.0
+    for start in range(0, count, EVAL_WINDOWS_PER_FORWARD):
+        batch = windows[start : start + EVAL_WINDOWS_PER_FORWARD]
+        total += next_token_loss(model, batch).item() * batch.shape[0]
+    return math.exp(total / count)
