@@ -213,12 +213,6 @@ def _prefill(target, drafter, tokens, context_len=0, block_table=None):
         context_len=context_len,
         block_table=block_table or list(range(8)),
         state_slot=0,
-        sample=True,
-        num_spec_tokens=0,
-        temperature=0.0,
-        top_k=0,
-        top_p=1.0,
-        seed=None,
     )
     ids, positions, metadata = prepare_inputs([work], BLOCK_SIZE, "cpu")
     with torch.inference_mode(), set_forward_context(ForwardContext(metadata)):

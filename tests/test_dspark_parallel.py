@@ -50,7 +50,9 @@ def prefill_and_propose(rank: int, tp: int, pp: int):
         drafter.load_model(target)
     modules = [target] + ([drafter.model] if drafter else [])
     CacheEngine(modules, 8, BLOCK_SIZE, 1, 0, "cpu", torch.float32)
-    work = SeqWork(0, PROMPT, 0, TABLE, 0, True, 0, 0.0, 0, 1.0, None)
+    work = SeqWork(
+        seq_id=0, token_ids=PROMPT, context_len=0, block_table=TABLE, state_slot=0
+    )
     ids, positions, metadata = prepare_inputs([work], BLOCK_SIZE, "cpu")
     n = ids.numel()
     received, taps_in = None, None

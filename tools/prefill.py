@@ -60,10 +60,15 @@ def prefill(model: nn.Module, sequences: list[list[int]]) -> torch.Tensor:
         [model], blocks * count, BLOCK_SIZE, count, 0, parameter.device, parameter.dtype
     )
     works = [
-        SeqWork(i, list(seq), 0, list(range(i * blocks, (i + 1) * blocks)), i, True, 0,
-                0.0, -1, 1.0, None)
+        SeqWork(
+            seq_id=i,
+            token_ids=list(seq),
+            context_len=0,
+            block_table=list(range(i * blocks, (i + 1) * blocks)),
+            state_slot=i,
+        )
         for i, seq in enumerate(sequences)
-    ]  # fmt: skip
+    ]
     input_ids, positions, metadata = prepare_inputs(works, BLOCK_SIZE, parameter.device)
     with set_forward_context(ForwardContext(metadata)):
         return model(input_ids, positions)

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
-@dataclass
+@dataclass(kw_only=True)
 class SeqWork:
-    """One sequence's rows in one forward."""
+    """One sequence's rows in one forward (sampling fields default to greedy)."""
 
     seq_id: int
     # Prefill chunk, or [last_token] followed by the drafts to verify.
@@ -19,13 +19,13 @@ class SeqWork:
     # starts from a zero state, as the slot may hold a finished request's state.
     state_slot: int
     # The last stage samples (or verifies) this sequence in this forward.
-    sample: bool
+    sample: bool = True
     # Drafts among token_ids: token_ids = [last, d1..dT]; 0 when not verifying.
-    num_spec_tokens: int
-    temperature: float
-    top_k: int
-    top_p: float
-    seed: int | None
+    num_spec_tokens: int = 0
+    temperature: float = 0.0
+    top_k: int = -1
+    top_p: float = 1.0
+    seed: int | None = None
     # Copy the KDA state of this checkpoint slot into state_slot BEFORE the forward.
     state_fork_src: int | None = None
     # Copy the KDA state of state_slot into this checkpoint slot AFTER the forward.

@@ -117,10 +117,6 @@ class DecodeGraphs:
             state_slot=self.state_slot,
             sample=False,
             num_spec_tokens=query_len - 1,
-            temperature=0.0,
-            top_k=0,
-            top_p=1.0,
-            seed=None,
         )
         packed, layout = build_step(
             [dummy], self.block_size, self.table_width, self._padding(size)

@@ -265,9 +265,13 @@ class Scheduler:
         fork_src, seq.state_fork_src = seq.state_fork_src, None
         seq.num_computed_tokens = end
         return self._work(
-            seq, seq.token_ids[start:end], start, end == seq.num_tokens, 0,
-            fork_src, save_dst,
-        )  # fmt: skip
+            seq,
+            token_ids=seq.token_ids[start:end],
+            context_len=start,
+            sample=end == seq.num_tokens,
+            state_fork_src=fork_src,
+            state_save_dst=save_dst,
+        )
 
     def _schedule_decode(self) -> list[SeqWork]:
         budget = self.max_num_batched_tokens
@@ -284,7 +288,11 @@ class Scheduler:
             start = seq.num_computed_tokens
             seq.num_computed_tokens += 1
             rows = [seq.last_token] + seq.spec_token_ids[:num_spec]
-            works.append(self._work(seq, rows, start, True, num_spec))
+            works.append(
+                self._work(
+                    seq, token_ids=rows, context_len=start, num_spec_tokens=num_spec
+                )
+            )
             scheduled.add(seq.seq_id)
             budget -= len(rows)
         return works
@@ -332,22 +340,20 @@ class Scheduler:
         seq.in_flight_batch_id = None
         self._pending_commits.pop(seq.seq_id, None)
 
-    def _work(
-        self,
-        seq: Sequence,
-        token_ids: list[int],
-        context_len: int,
-        sample: bool,
-        num_spec_tokens: int,
-        state_fork_src: int | None = None,
-        state_save_dst: int | None = None,
-    ) -> SeqWork:
+    @staticmethod
+    def _work(seq: Sequence, **rows) -> SeqWork:
+        """The sequence's SeqWork: its rows (`rows`) with its table, slot and sampling."""
         sp = seq.sampling_params
         return SeqWork(
-            seq.seq_id, token_ids, context_len, list(seq.block_table), seq.state_slot,
-            sample, num_spec_tokens, sp.temperature, sp.top_k, sp.top_p, sp.seed,
-            state_fork_src, state_save_dst,
-        )  # fmt: skip
+            seq_id=seq.seq_id,
+            block_table=list(seq.block_table),
+            state_slot=seq.state_slot,
+            temperature=sp.temperature,
+            top_k=sp.top_k,
+            top_p=sp.top_p,
+            seed=sp.seed,
+            **rows,
+        )
 
     # ---- results ----
     def postprocess(

@@ -84,7 +84,6 @@ def test_a_step_copies_to_the_host_once():
             context_len=20,
             block_table=[s],
             state_slot=s,
-            sample=True,
             num_spec_tokens=s % 3,
             temperature=SETTINGS["temperatures"][s],
             top_k=SETTINGS["top_ks"][s],

@@ -48,12 +48,7 @@ def work(
         context_len=context_len,
         block_table=list(range(first_block, first_block + num_blocks)),
         state_slot=slot,
-        sample=True,
         num_spec_tokens=num_spec_tokens,
-        temperature=0.0,
-        top_k=0,
-        top_p=1.0,
-        seed=None,
     )
 
 
