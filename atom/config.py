@@ -215,8 +215,6 @@ class Config:
                     f"tensor_parallel_size={tp} does not divide {name}={value}"
                 )
         if self.pp_layer_partition is not None:
-            from atom.models.utils import validate_partition
-
             validate_partition(self.pp_layer_partition, layers, pp)
 
     @property
@@ -246,6 +244,21 @@ class Config:
 def is_context_only_producer(config: Config) -> bool:
     """A P/D prefill node: it writes KV (target and draft context) but never decodes."""
     return config.kv_role == "kv_producer"
+
+
+def validate_partition(parts: list[int], num_layers: int, pp_size: int) -> None:
+    if len(parts) != pp_size:
+        raise ValueError(
+            f"pp layer partition {parts} has {len(parts)} entries, "
+            f"pipeline_parallel_size is {pp_size}"
+        )
+    if sum(parts) != num_layers:
+        raise ValueError(
+            f"pp layer partition {parts} sums to {sum(parts)}, "
+            f"the model has {num_layers} layers"
+        )
+    if min(parts) < 1:
+        raise ValueError(f"pp layer partition {parts} leaves a stage without layers")
 
 
 def parse_partition(text: str) -> list[int]:

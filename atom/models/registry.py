@@ -1,6 +1,6 @@
 """Which class serves which checkpoint architecture, and what it supports under PP.
 
-Classes are named by import path and loaded lazily, so `import atom.config` stays light.
+Classes are named by import path and loaded lazily: reading the tables imports no model.
 """
 
 from __future__ import annotations
