@@ -16,8 +16,7 @@ from atom.config import Config
 from atom.model_engine.batch import SeqWork
 from atom.model_engine.cache_engine import CacheEngine
 from atom.model_engine.model_inputs import prepare_inputs
-from atom.model_loader.loader import load_weights
-from atom.models.registry import get_model_class
+from atom.model_loader.build import load_target
 from atom.utils.forward_context import ForwardContext, set_forward_context
 
 BLOCK_SIZE = 16
@@ -37,15 +36,8 @@ def load_model(
     every parameter frozen (training unfreezes what it trains)."""
     device = torch.device(device)
     config = Config(model=model, device=device.type, dtype="float32")
-    saved = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float32)
-    try:
-        with device:
-            network = get_model_class(config.hf_config.architecture)(config)
-    finally:
-        torch.set_default_dtype(saved)
-    load_weights(network, config.model)
-    return network.eval(), config
+    network, _ = load_target(config, device)
+    return network, config
 
 
 def prefill(model: nn.Module, sequences: list[list[int]]) -> torch.Tensor:

@@ -23,9 +23,9 @@ from atom.model_engine.cuda_graph import DecodeGraphs, capture_sizes
 from atom.model_engine.memory_ledger import log_memory_ledger
 from atom.model_engine.model_inputs import prepare_inputs
 from atom.model_engine.step_sampler import StepSampler
-from atom.model_loader.loader import load_weights
+from atom.model_loader.build import building_on, load_target
 from atom.model_ops.sampling_metadata import SamplingMetadata
-from atom.models.registry import check_pp_support, draft_tap_ids, get_model_class
+from atom.models.registry import check_pp_support, draft_tap_ids
 from atom.models.utils import IntermediateTensors, language_model_of
 from atom.spec_decode.drafter import Drafter
 from atom.spec_decode.pp_aux_relay import AUX_KEY, PPAuxRelay
@@ -46,7 +46,7 @@ class ModelRunner:
         self.pp = get_pp_group()
         self.is_last_stage = self.pp.is_last_rank
         self.is_first_stage = self.pp.is_first_rank
-        self.model = self._build_model()
+        self.model, self.load_report = load_target(config, device)
         self.drafter = self._build_drafter()
         self.relay = self._build_relay()
         proposer = self.drafter if self.drafter and self.drafter.will_propose else None
@@ -55,29 +55,12 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.memory_ledger = log_memory_ledger(self.model, self.drafter)
 
-    def _build_model(self) -> torch.nn.Module:
-        cls = get_model_class(self.config.hf_config.architecture)
-        saved = torch.get_default_dtype()
-        torch.set_default_dtype(self.dtype)
-        try:
-            with torch.device(self.device):
-                model = cls(self.config)
-        finally:
-            torch.set_default_dtype(saved)
-        self.load_report = load_weights(model, self.config.model)
-        return model.eval()
-
     def _build_drafter(self) -> Drafter | None:
         if self.config.speculative_config is None or not self.is_last_stage:
             return None
         drafter = Drafter(self.config)
-        saved = torch.get_default_dtype()
-        torch.set_default_dtype(self.dtype)
-        try:
-            with torch.device(self.device):
-                drafter.load_model(self.model)
-        finally:
-            torch.set_default_dtype(saved)
+        with building_on(self.device, self.dtype):
+            drafter.load_model(self.model)
         return drafter
 
     def _build_relay(self) -> PPAuxRelay | None:
