@@ -44,24 +44,16 @@ class LLMEngine:
         )
         self.model_name = model
         self.max_model_len = config.max_model_len
-        num_checkpoints = config.max_num_seqs if config.enable_prefix_caching else 0
         if config.parallel_config.world_size == 1:
-            self.workers = InProcessWorker(config, num_checkpoints)
+            self.workers = InProcessWorker(config)
         else:
-            self.workers = WorkerGroup(config, num_checkpoints)
+            self.workers = WorkerGroup(config)
         info = self.workers.info
         self.scheduler = Scheduler(
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=config.max_model_len,
-            block_size=config.block_size,
-            num_kv_blocks=info.num_kv_blocks,
-            enable_prefix_caching=config.enable_prefix_caching,
-            enable_chunked_prefill=config.enable_chunked_prefill,
+            config.limits,
+            info.num_kv_blocks,
             has_recurrent_state=info.has_recurrent_state,
-            num_speculative_tokens=config.num_speculative_rows,
             eos_token_id=self._eos_token_id(),
-            num_state_checkpoints=num_checkpoints,
         )
         self.outputs = OutputProcessor(self.tokenizer)
         # Seeds of requests that come without one; Config.seed makes them repeatable.

@@ -41,6 +41,7 @@ class ModelRunner:
     def __init__(self, config: Config, device: torch.device) -> None:
         check_pp_support(config)
         self.config = config
+        self.limits = config.limits
         self.device = device
         self.dtype = config.torch_dtype
         self.pp = get_pp_group()
@@ -83,48 +84,39 @@ class ModelRunner:
     def cache_modules(self) -> list[torch.nn.Module]:
         return [self.model] + ([self.drafter.model] if self.drafter else [])
 
-    def num_state_slots(self, num_checkpoints: int) -> int:
-        return self.config.max_num_seqs + num_checkpoints
-
-    def max_kv_blocks(self, num_checkpoints: int) -> int:
+    def max_kv_blocks(self) -> int:
         """KV blocks this rank can hold; the engine takes the minimum over ranks."""
         if self.config.num_kvcache_blocks:
             return self.config.num_kvcache_blocks
-        probe = CacheEngine(
-            self.cache_modules(),
-            0,
-            self.config.block_size,
-            0,
-            0,
-            self.device,
-            self.dtype,
-        )
+        limits = self.limits
+        probe = self._cache_engine(num_blocks=0, num_state_slots=0)
         per_block = max(probe.kv_bytes_per_block(), 1)
-        state = probe.state_bytes_per_slot() * self.num_state_slots(num_checkpoints)
+        state = probe.state_bytes_per_slot() * limits.num_state_slots
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = int(free * self.config.gpu_memory_utilization) - state
         else:
             budget = CPU_KV_BUDGET_BYTES - state
-        # A sequence may hold positions up to max_model_len - 2 + T (the drafter's
-        # block rows), as the scheduler's worst case assumes.
-        longest = self.config.max_model_len - 1 + self.config.num_speculative_rows
-        wanted = self.config.max_num_seqs * -(-longest // self.config.block_size)
+        wanted = limits.max_num_seqs * limits.max_blocks_per_seq
         return max(1, min(wanted, budget // per_block))
 
-    def allocate_caches(self, num_blocks: int, num_checkpoints: int) -> None:
-        spec_rows = self.config.num_speculative_rows
-        self.cache = CacheEngine(
+    def allocate_caches(self, num_blocks: int) -> None:
+        self.cache = self._cache_engine(num_blocks, self.limits.num_state_slots)
+        if self._can_capture_graphs():
+            self.graphs = self._capture_graphs()
+
+    def _cache_engine(self, num_blocks: int, num_state_slots: int) -> CacheEngine:
+        # A verify keeps the state after each of its T + 1 rows.
+        num_spec = self.limits.num_speculative_tokens
+        return CacheEngine(
             self.cache_modules(),
             num_blocks,
-            self.config.block_size,
-            self.num_state_slots(num_checkpoints),
-            spec_rows + 1 if spec_rows else 0,
+            self.limits.block_size,
+            num_state_slots,
+            num_spec + 1 if num_spec else 0,
             self.device,
             self.dtype,
         )
-        if self._can_capture_graphs():
-            self.graphs = self._capture_graphs()
 
     def _can_capture_graphs(self) -> bool:
         if self.device.type != "cuda" or self.config.enforce_eager:
@@ -147,19 +139,18 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _capture_graphs(self) -> DecodeGraphs:
-        spec_rows = self.config.num_speculative_rows
+        num_spec = self.limits.num_speculative_tokens
         sizes = capture_sizes(
-            self.config.cudagraph_capture_sizes, self.config.max_num_seqs
+            self.config.cudagraph_capture_sizes, self.limits.max_num_seqs
         )
-        longest = self.config.max_model_len - 1 + spec_rows
-        table_width = -(-longest // self.config.block_size)
+        table_width = self.limits.max_blocks_per_seq
         if self.drafter is not None and self.drafter.will_propose:
             self.drafter.capture_graphs(sizes, table_width)
         return DecodeGraphs(
             self.model,
             sizes,
-            [1, spec_rows + 1] if spec_rows else [1],
-            self.config.block_size,
+            [1, num_spec + 1] if num_spec else [1],
+            self.limits.block_size,
             table_width,
             (self.cache.scratch_kv_slot, self.cache.scratch_state_slot),
             self.is_first_stage,
@@ -208,7 +199,7 @@ class ModelRunner:
         if key is not None:
             return self.graphs.run(key, seqs, received)
         input_ids, positions, metadata = prepare_inputs(
-            seqs, self.config.block_size, self.device
+            seqs, self.limits.block_size, self.device
         )
         with set_forward_context(ForwardContext(metadata)):
             out = self.model(input_ids, positions, received)

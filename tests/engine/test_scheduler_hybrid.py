@@ -24,7 +24,8 @@ def test_hybrid_prefill_ends_a_chunk_at_the_last_full_block_and_saves_state():
     (work,) = first.seqs
     assert (work.context_len, len(work.token_ids), work.sample) == (0, 8, False)
     assert work.state_save_dst is not None
-    assert sched.max_num_seqs <= work.state_save_dst < sched.num_state_slots
+    limits = sched.limits
+    assert limits.max_num_seqs <= work.state_save_dst < limits.num_state_slots
     (rest,) = sched.schedule().seqs
     assert (rest.context_len, rest.token_ids, rest.sample) == (8, [18, 19], True)
     assert rest.state_save_dst is None and rest.state_fork_src is None

@@ -12,6 +12,7 @@ from collections import deque
 
 import pytest
 
+from atom.config import EngineLimits
 from atom.model_engine.batch import BatchOutput, ScheduledBatch
 from atom.model_engine.scheduler import Scheduler
 from atom.model_engine.sequence import Sequence
@@ -47,7 +48,7 @@ class ToyRunner:
         self.kv: list[int | None] = [None] * (
             sched.block_manager.num_total_blocks * BLOCK
         )
-        self.state: list[tuple[int, ...] | None] = [None] * sched.num_state_slots
+        self.state: list[tuple[int, ...] | None] = [None] * sched.limits.num_state_slots
         self.snapshots: dict[int, list[tuple[int, ...]]] = {}
         self.num_spec = num_spec
         self.hybrid = sched.has_recurrent_state
@@ -170,17 +171,15 @@ def simulate(sched: Scheduler, runner: ToyRunner, requests, depth: int):
 )
 def test_generation_matches_greedy_reference(num_spec, hybrid, depth, num_blocks):
     max_model_len = 40
-    sched = Scheduler(
+    limits = EngineLimits(
         max_num_seqs=4,
         max_num_batched_tokens=16,
         max_model_len=max_model_len,
         block_size=BLOCK,
-        num_kv_blocks=num_blocks,
-        has_recurrent_state=hybrid,
         num_speculative_tokens=num_spec,
-        eos_token_id=EOS,
         num_state_checkpoints=3,
     )
+    sched = Scheduler(limits, num_blocks, has_recurrent_state=hybrid, eos_token_id=EOS)
     runner = ToyRunner(sched, num_spec, seed=num_blocks + depth)
     requests = make_requests(seed=7)
     simulate(sched, runner, requests, depth)

@@ -33,7 +33,7 @@ def build_runner(dtype: str) -> ModelRunner:
         cudagraph_capture_sizes=[1, 2, 4, 8],
     )
     runner = ModelRunner(config, torch.device("cuda"))
-    runner.allocate_caches(64, 0)
+    runner.allocate_caches(64)
     return runner
 
 
