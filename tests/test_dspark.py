@@ -22,7 +22,7 @@ from atom.models.kimi_k3_dspark import KimiK3DSpark
 from atom.models.registry import get_model_class
 from atom.models.tiny import resolve_model_path
 from atom.models.utils import PPMissingLayer, language_model_of
-from atom.spec_decode.drafter import Drafter, check_shared_embedding
+from atom.spec_decode.dspark_drafter import DSparkDrafter, check_shared_embedding
 from atom.utils.forward_context import ForwardContext, set_forward_context
 from tests.spec.spec_helpers import propose_on_host
 from tests.toy_target import ToyCausalLM
@@ -55,8 +55,8 @@ def build_target(config: Config, load: bool = True) -> nn.Module:
     return target.eval()
 
 
-def loaded_drafter(config: Config, target: nn.Module) -> Drafter:
-    drafter = Drafter(config)
+def loaded_drafter(config: Config, target: nn.Module) -> DSparkDrafter:
+    drafter = DSparkDrafter(config)
     drafter.load_model(target)
     return drafter
 
@@ -201,7 +201,7 @@ def test_producer_skips_share_and_check_but_validates_vocab():
     assert drafter.resident_taps == [4, 6]
     with pytest.raises(RuntimeError, match="never drafts"):
         propose_on_host(drafter, [1], [3], [[0]], [0.0])
-    producer = Drafter(make_config(kv_role="kv_producer"))
+    producer = DSparkDrafter(make_config(kv_role="kv_producer"))
     with pytest.raises(ValueError, match="vocab_size"):
         producer.load_model(ToyCausalLM(hidden=128, vocab=512))
 
@@ -281,7 +281,7 @@ def test_chunked_prefill_writes_the_same_context_and_drafts(pp1):
 
 def test_drafter_requires_a_draft_and_defaults_the_architecture():
     with pytest.raises(ValueError, match="speculative_config"):
-        Drafter(Config(model=TARGET))
+        DSparkDrafter(Config(model=TARGET))
     config = make_config()
     spec = config.speculative_config
     spec.draft_hf_config = HFConfig(

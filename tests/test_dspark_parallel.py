@@ -19,7 +19,7 @@ from atom.model_engine.model_inputs import prepare_inputs
 from atom.model_loader.loader import load_weights
 from atom.models.registry import get_model_class
 from atom.models.utils import IntermediateTensors
-from atom.spec_decode.drafter import Drafter
+from atom.spec_decode.dspark_drafter import DSparkDrafter
 from atom.spec_decode.pp_aux_relay import AUX_KEY, PPAuxRelay
 from atom.utils.forward_context import ForwardContext, set_forward_context
 from tests.spec.spec_helpers import propose_on_host
@@ -45,7 +45,7 @@ def prefill_and_propose(rank: int, tp: int, pp: int):
     base = target.language_model.model
     draft_cfg = config.speculative_config.draft_hf_config
     relay = PPAuxRelay(base, draft_cfg["target_layer_ids"], 128, 64) if pp > 1 else None
-    drafter = Drafter(config) if stage.is_last_rank else None
+    drafter = DSparkDrafter(config) if stage.is_last_rank else None
     if drafter is not None:
         drafter.load_model(target)
     modules = [target] + ([drafter.model] if drafter else [])

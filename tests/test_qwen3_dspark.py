@@ -25,7 +25,7 @@ from atom.models.registry import draft_tap_ids, get_model_class
 from atom.models.tiny import resolve_model_path
 from atom.models.tiny.configs import TOKEN_IDS
 from atom.models.utils import PPMissingLayer, language_model_of
-from atom.spec_decode.drafter import Drafter, check_shared_embedding
+from atom.spec_decode.dspark_drafter import DSparkDrafter, check_shared_embedding
 from tests.e2e.pp_probe import one_torch_thread
 
 TARGET, DRAFT, NO_EMBED = (
@@ -63,8 +63,8 @@ def build_target(config: Config, load: bool = True) -> torch.nn.Module:
     return target.eval()
 
 
-def loaded_drafter(config: Config, target: torch.nn.Module) -> Drafter:
-    drafter = Drafter(config)
+def loaded_drafter(config: Config, target: torch.nn.Module) -> DSparkDrafter:
+    drafter = DSparkDrafter(config)
     drafter.load_model(target)
     return drafter
 

@@ -27,7 +27,7 @@ from atom.model_loader.build import building_on, load_target
 from atom.model_ops.sampling_metadata import SamplingMetadata
 from atom.models.registry import check_pp_support, draft_tap_ids
 from atom.models.utils import IntermediateTensors, language_model_of
-from atom.spec_decode.drafter import Drafter
+from atom.spec_decode.dspark_drafter import DSparkDrafter
 from atom.spec_decode.pp_aux_relay import AUX_KEY, PPAuxRelay
 from atom.utils.forward_context import ForwardContext, set_forward_context
 
@@ -56,10 +56,10 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.memory_ledger = log_memory_ledger(self.model, self.drafter)
 
-    def _build_drafter(self) -> Drafter | None:
+    def _build_drafter(self) -> DSparkDrafter | None:
         if self.config.speculative_config is None or not self.is_last_stage:
             return None
-        drafter = Drafter(self.config)
+        drafter = DSparkDrafter(self.config)
         with building_on(self.device, self.dtype):
             drafter.load_model(self.model)
         return drafter

@@ -68,7 +68,7 @@ def check_shared_embedding(draft: nn.Module, will_propose: bool = True) -> None:
         )
 
 
-class Drafter:
+class DSparkDrafter:
     """Owns the draft model, its tap buffers and the tap hooks of one last stage."""
 
     def __init__(self, config: Config) -> None:
