@@ -23,6 +23,7 @@ from atom.models.registry import get_model_class
 from atom.models.tiny import resolve_model_path
 from atom.models.utils import PPMissingLayer, language_model_of
 from atom.spec_decode.dspark_drafter import DSparkDrafter, check_shared_embedding
+from atom.spec_decode.factory import build_drafter
 from atom.utils.forward_context import ForwardContext, set_forward_context
 from tests.spec.spec_helpers import propose_on_host
 from tests.toy_target import ToyCausalLM
@@ -232,16 +233,16 @@ def test_prefill_then_propose_end_to_end(pp1):
     _prefill(target, drafter, PROMPT)
     n = len(PROMPT)
     embedding = target.language_model.model.embed_tokens(torch.tensor(PROMPT))
-    assert torch.equal(drafter.tap_buffers[0][:n], embedding)
-    taps_before = [buf.clone() for buf in drafter.tap_buffers]
+    assert torch.equal(drafter.tap_buffers[-1][:n], embedding)
+    taps_before = {t: buf.clone() for t, buf in drafter.tap_buffers.items()}
     anchors, positions, tables = [42, 7], [n, 5], [list(range(8))] * 2
     greedy = propose_on_host(drafter, anchors, positions, tables, [0.0] * 2)
     ids, probs = greedy.ids, greedy.probs
     assert ids.shape == (2, T) and ids.dtype == torch.long and probs is None
     assert bool(((ids >= 0) & (ids < 4096)).all())
     # The block pass embeds through the hooked table but records no tap.
-    for before, after in zip(taps_before, drafter.tap_buffers):
-        assert torch.equal(before, after)
+    for tap, before in taps_before.items():
+        assert torch.equal(drafter.tap_buffers[tap], before)
     mixed = [0.8, 0.0], [0.9, 1.0], [3, 3]  # temperatures, top-p, seeds
     sampled = propose_on_host(drafter, anchors, positions, tables, *mixed)
     ids, probs = sampled.ids, sampled.probs
@@ -290,3 +291,10 @@ def test_drafter_requires_a_draft_and_defaults_the_architecture():
     drafter = loaded_drafter(config, build_target(config, load=False))
     assert drafter.architecture == "K3DSparkModel"
     assert isinstance(drafter.model, KimiK3DSpark)
+
+
+def test_the_factory_builds_the_drafter_of_the_method():
+    assert isinstance(build_drafter(make_config()), DSparkDrafter)
+    eagle = Config(model=TARGET, method="eagle3", draft_model=TARGET)
+    with pytest.raises(ValueError, match="'eagle3' has no drafter.*dspark"):
+        build_drafter(eagle)

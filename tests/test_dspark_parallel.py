@@ -67,13 +67,12 @@ def prefill_and_propose(rank: int, tp: int, pp: int):
         payload[AUX_KEY] = relay.pack(taps_in, n)
         send_tensor_dict(payload)
         return None
-    if relay is not None:
-        relay.absorb(taps_in, drafter.tap_buffers, n)
-    drafter.precompute_context_kv(positions, metadata.slot_mapping, n)
+    relayed = relay.unpack(taps_in, n) if relay is not None else None
+    drafter.precompute_context_kv(positions, metadata.slot_mapping, n, relayed)
     greedy = propose_on_host(drafter, [42], [n], [TABLE], [0.0]).ids
     sampled = propose_on_host(drafter, [42], [n], [TABLE], [0.8], [0.95], seeds=[5])
     sampled, probs = sampled.ids, sampled.probs
-    taps = torch.cat([buf[:n] for buf in drafter.tap_buffers], dim=-1)
+    taps = drafter.gather_taps(n, relayed)
     # numpy pickles by value; tensors would travel as shared-memory handles that
     # die with the rank process.
     return tuple(t.numpy() for t in (taps, greedy, sampled, probs))

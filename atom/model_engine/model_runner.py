@@ -27,7 +27,8 @@ from atom.model_loader.build import building_on, load_target
 from atom.model_ops.sampling_metadata import SamplingMetadata
 from atom.models.registry import check_pp_support, draft_tap_ids
 from atom.models.utils import IntermediateTensors, language_model_of
-from atom.spec_decode.dspark_drafter import DSparkDrafter
+from atom.spec_decode.drafter import Drafter
+from atom.spec_decode.factory import build_drafter
 from atom.spec_decode.pp_aux_relay import AUX_KEY, PPAuxRelay
 from atom.utils.forward_context import ForwardContext, set_forward_context
 
@@ -56,10 +57,10 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.memory_ledger = log_memory_ledger(self.model, self.drafter)
 
-    def _build_drafter(self) -> DSparkDrafter | None:
+    def _build_drafter(self) -> Drafter | None:
         if self.config.speculative_config is None or not self.is_last_stage:
             return None
-        drafter = DSparkDrafter(self.config)
+        drafter = build_drafter(self.config)
         with building_on(self.device, self.dtype):
             drafter.load_model(self.model)
         return drafter
@@ -220,9 +221,12 @@ class ModelRunner:
     ) -> BatchOutput | None:
         num_tokens = positions.numel()
         if self.drafter is not None:
+            relayed = None
             if self.relay is not None:
-                self.relay.absorb(taps_in, self.drafter.tap_buffers, num_tokens)
-            self.drafter.precompute_context_kv(positions, slot_mapping, num_tokens)
+                relayed = self.relay.unpack(taps_in, num_tokens)
+            self.drafter.precompute_context_kv(
+                positions, slot_mapping, num_tokens, relayed
+            )
         if not batch.produces_output:
             return None
         sampling = SamplingMetadata.from_works(batch.seqs, self.device)

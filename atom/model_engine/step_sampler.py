@@ -24,13 +24,13 @@ from atom.model_ops.sampling_metadata import SamplingMetadata
 from atom.spec_decode.draft_output import DraftOutput
 
 if TYPE_CHECKING:
-    from atom.spec_decode.dspark_drafter import DSparkDrafter
+    from atom.spec_decode.drafter import Drafter
 
 
 class StepSampler:
     """Chooses each step's tokens and owns the draft distributions between steps."""
 
-    def __init__(self, drafter: DSparkDrafter | None = None) -> None:
+    def __init__(self, drafter: Drafter | None = None) -> None:
         # None without speculation and on a context-only producer.
         self.drafter = drafter
         # q [T, V] (device) of the drafts each temperature > 0 sequence verifies

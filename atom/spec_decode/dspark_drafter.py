@@ -1,11 +1,11 @@
-"""The DSpark drafter: builds and loads the draft on the last stage and drives it.
+"""The DSpark drafter: builds and loads a DSpark draft on the last stage and drives it.
 
 `load_model(target)`: build the draft class the registry names for the draft
-architecture, load it strictly, then (unless this is a context-only producer)
-bind the target's embedding and LM head and check that the bound table is real,
-and finally hook the target's resident taps. Per step the runner calls
-`precompute_context_kv` after every target forward, and the step sampler calls
-`propose` once it has chosen the step's tokens.
+architecture (Kimi's K3DSparkModel or MiniMax's Qwen3DSparkModel), load it strictly,
+then (unless this is a context-only producer) bind the target's embedding and LM head
+and check that the bound table is real, and finally hook the target's resident taps.
+After every target forward it writes the draft's context rows from the taps; per step
+it runs one block pass and decodes the drafts with the Markov head.
 """
 
 from __future__ import annotations
@@ -15,15 +15,16 @@ import logging
 import torch
 from torch import nn
 
-from atom.config import Config, is_context_only_producer
+from atom.config import Config
 from atom.distributed.parallel_state import get_pp_group, get_tp_group
 from atom.model_engine.cuda_graph import BlockPassGraphs
-from atom.model_loader.loader import LoadReport, load_weights, parameter_bytes
+from atom.model_loader.loader import load_weights, parameter_bytes
 from atom.model_ops.sampling_metadata import SamplingMetadata
 from atom.models.registry import draft_architecture, get_draft_model_class
 from atom.models.utils import PPMissingLayer, language_model_of
 from atom.spec_decode.aux_capture import TapCapture, allocate_tap_buffers
 from atom.spec_decode.draft_output import DraftOutput
+from atom.spec_decode.drafter import Drafter
 from atom.spec_decode.markov_head import markov_decode
 from atom.spec_decode.pp_aux_relay import tap_is_resident
 
@@ -68,31 +69,18 @@ def check_shared_embedding(draft: nn.Module, will_propose: bool = True) -> None:
         )
 
 
-class DSparkDrafter:
-    """Owns the draft model, its tap buffers and the tap hooks of one last stage."""
+class DSparkDrafter(Drafter):
+    """Owns the draft model, the tap buffers and tap hooks of one last stage."""
 
     def __init__(self, config: Config) -> None:
+        super().__init__(config)
         spec = config.speculative_config
-        if spec is None or spec.draft_hf_config is None or not spec.model:
-            raise ValueError(
-                "the drafter needs a speculative_config with a draft model"
-            )
-        if not spec.use_dspark():
-            raise ValueError(
-                f"speculative method {spec.method!r} has no drafter here; only "
-                "'dspark' is implemented"
-            )
-        self.config = config
         self.draft_path = spec.model
         self.draft_hf_config = spec.draft_hf_config
-        self.num_speculative_tokens = spec.num_speculative_tokens
-        self.will_propose = not is_context_only_producer(config)
         self.architecture = draft_architecture(self.draft_hf_config)
-        self.model: nn.Module | None = None
-        self.load_report: LoadReport | None = None
         self.tap_ids: list[int] = []
-        self.resident_taps: list[int] = []
-        self.tap_buffers: list[torch.Tensor] = []
+        # Rows of the taps this stage computes (the rest arrive from the relay).
+        self.tap_buffers: dict[int, torch.Tensor] = {}
         self.capture: TapCapture | None = None
         self.block_graphs: BlockPassGraphs | None = None
         self.own_parameter_bytes = 0
@@ -119,25 +107,25 @@ class DSparkDrafter:
         self._arm_aux_capture(target_lm.model)
         self._log_startup()
 
+    @property
+    def resident_taps(self) -> list[int]:
+        return [t for t in self.tap_ids if t in self.tap_buffers]
+
     def _arm_aux_capture(self, target_base: nn.Module) -> None:
         self.tap_ids = list(self.model.tap_ids)
+        # Non-resident taps (always -1 on a pp > 1 last stage) come via the relay.
+        resident = [t for t in self.tap_ids if tap_is_resident(target_base, t)]
         # Tap buffers take the draft's device and dtype.
         weight = next(self.model.parameters())
-        self.tap_buffers = allocate_tap_buffers(
-            len(self.tap_ids),
+        buffers = allocate_tap_buffers(
+            len(resident),
             self.config.max_num_batched_tokens,
             self.model.config.target_hidden_size,
             weight.device,
             weight.dtype,
         )
-        # Non-resident taps (always -1 on a pp > 1 last stage) come via the relay.
-        self.resident_taps = [
-            t for t in self.tap_ids if tap_is_resident(target_base, t)
-        ]
-        buffers = {
-            t: self.tap_buffers[self.tap_ids.index(t)] for t in self.resident_taps
-        }
-        self.capture = TapCapture(target_base, buffers)
+        self.tap_buffers = dict(zip(resident, buffers))
+        self.capture = TapCapture(target_base, self.tap_buffers)
 
     def _log_startup(self) -> None:
         trained = getattr(self.model.config, "block_size", None)
@@ -173,21 +161,39 @@ class DSparkDrafter:
             self.shared_parameter_bytes / 2**20,
         )
 
+    def gather_taps(
+        self, num_tokens: int, relayed_taps: dict[int, torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """[N, n_taps * H] in tap order: this stage's hooked taps, the rest from
+        `relayed_taps` (the relay's `unpack`)."""
+        available = {**(relayed_taps or {}), **self.tap_buffers}
+        missing = [t for t in self.tap_ids if t not in available]
+        if missing:
+            raise ValueError(
+                f"taps {missing} are neither computed on this stage nor relayed"
+            )
+        return torch.cat([available[t][:num_tokens] for t in self.tap_ids], dim=-1)
+
     @torch.inference_mode()
     def precompute_context_kv(
-        self, positions: torch.Tensor, slot_mapping: torch.Tensor, num_tokens: int
+        self,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        num_tokens: int,
+        relayed_taps: dict[int, torch.Tensor] | None = None,
     ) -> None:
         """Write draft context rows for the N rows of the target forward just run.
 
         Call after every target forward on the last stage (prefill chunks that
-        sample nothing included), after the relay's `absorb`, with that forward's
-        positions and slot mapping.
+        sample nothing included), with that forward's positions, slot mapping and
+        the taps earlier stages relayed.
         """
         if num_tokens == 0:
             return
-        taps = torch.cat([buf[:num_tokens] for buf in self.tap_buffers], dim=-1)
         self.model.write_context_kv(
-            taps, positions[:num_tokens], slot_mapping[:num_tokens]
+            self.gather_taps(num_tokens, relayed_taps),
+            positions[:num_tokens],
+            slot_mapping[:num_tokens],
         )
 
     def capture_graphs(self, sizes: list[int], table_width: int) -> None:
@@ -197,7 +203,7 @@ class DSparkDrafter:
             sizes,
             self.num_speculative_tokens,
             table_width,
-            self.tap_buffers[0].device,
+            next(self.model.parameters()).device,
         )
 
     def _block_logits(
