@@ -19,16 +19,16 @@ from atom.models.tiny.minimax import minimax_text_config
 from tests.e2e.pp_probe import (
     Recorder,
     acceptance,
+    corpus_prompts,
     embedding_facts,
     generate_ids,
     make_engine,
-    mixed_prompts,
     one_torch_thread,
     teach_draft,
 )
 
 TARGET, DRAFT = "tiny-minimax-m3", "tiny-minimax-m3-dspark"
-PROMPTS = mixed_prompts()
+PROMPTS = corpus_prompts()
 TEXT = minimax_text_config()
 
 
