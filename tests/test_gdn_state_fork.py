@@ -125,7 +125,7 @@ def test_verify_commits_only_the_accepted_rows_on_every_stage(setup):
         if not batch.is_verify or output.batch_id != batch.batch_id:
             continue
         (work,) = batch.seqs
-        accepted = output.num_accepted[0]
+        accepted = output.choices[0].num_accepted
         # Snapshot `accepted` is the state after rows [last, d1..d_accepted], the
         # one the next batch commits: the state after every token but the bonus.
         per_rank = engine.workers.call(kda_states(work.state_slot, accepted))

@@ -85,36 +85,12 @@ class BatchOutput:
     """Exactly one per output-producing batch, sent by the last stage."""
 
     batch_id: int
-    # Sequences with sample=True, in batch order.
-    seq_ids: list[int]
-    # Emitted tokens per sequence: accepted drafts then the bonus/correction token.
-    token_ids: list[list[int]]
-    num_accepted: list[int]
-    # Next drafts per sequence ([] without speculation).
-    draft_token_ids: list[list[int]]
+    # One per sequence with sample=True, in batch order.
+    choices: list[TokenChoice]
 
-    def __post_init__(self) -> None:
-        lengths = {
-            "token_ids": len(self.token_ids),
-            "num_accepted": len(self.num_accepted),
-            "draft_token_ids": len(self.draft_token_ids),
-        }
-        wrong = {k: n for k, n in lengths.items() if n != len(self.seq_ids)}
-        if wrong:
-            raise ValueError(
-                f"BatchOutput {self.batch_id}: {len(self.seq_ids)} seq_ids but "
-                f"lengths {wrong}"
-            )
-
-    @classmethod
-    def from_choices(cls, batch_id: int, choices: list[TokenChoice]) -> BatchOutput:
-        return cls(
-            batch_id,
-            [c.seq_id for c in choices],
-            [c.token_ids for c in choices],
-            [c.num_accepted for c in choices],
-            [c.draft_token_ids for c in choices],
-        )
+    @property
+    def seq_ids(self) -> list[int]:
+        return [choice.seq_id for choice in self.choices]
 
     def check_against(self, batch: ScheduledBatch, max_drafts: int) -> None:
         """Raise RuntimeError unless this is a consistent answer to `batch`."""
@@ -123,17 +99,16 @@ class BatchOutput:
                 f"BatchOutput of batch {self.batch_id} arrived while postprocessing "
                 f"batch {batch.batch_id}: the pipeline is out of step"
             )
-        works = [work for work in batch.seqs if work.sample]
-        if self.seq_ids != [work.seq_id for work in works]:
+        if self.seq_ids != batch.sample_seq_ids:
             raise RuntimeError(
                 f"BatchOutput of batch {batch.batch_id} covers sequences "
                 f"{self.seq_ids}, expected {batch.sample_seq_ids}"
             )
-        for work, tokens, accepted, drafts in zip(
-            works, self.token_ids, self.num_accepted, self.draft_token_ids
-        ):
+        works = [work for work in batch.seqs if work.sample]
+        for work, choice in zip(works, self.choices):
             where = f"BatchOutput of batch {batch.batch_id}, sequence {work.seq_id}"
             verified = work.token_ids[1 : 1 + work.num_spec_tokens]
+            tokens, accepted = choice.token_ids, choice.num_accepted
             if not 0 <= accepted <= len(verified):
                 raise RuntimeError(
                     f"{where}: {accepted} accepted drafts of {len(verified)} verified"
@@ -148,7 +123,8 @@ class BatchOutput:
                     f"{where}: accepted tokens {tokens[:accepted]} differ from the "
                     f"drafts {verified[:accepted]}"
                 )
-            if len(drafts) > max_drafts:
+            if len(choice.draft_token_ids) > max_drafts:
                 raise RuntimeError(
-                    f"{where}: {len(drafts)} drafts, at most {max_drafts} expected"
+                    f"{where}: {len(choice.draft_token_ids)} drafts, at most "
+                    f"{max_drafts} expected"
                 )

@@ -232,4 +232,4 @@ class ModelRunner:
         sampling = SamplingMetadata.from_works(batch.seqs, self.device)
         logits = self.model.compute_logits(hidden[sampling.logit_rows])
         choices = self.step_sampler.step(logits, sampling)
-        return BatchOutput.from_choices(batch.batch_id, choices)
+        return BatchOutput(batch.batch_id, choices)

@@ -323,9 +323,8 @@ class Scheduler:
             return []
         output.check_against(batch, self.limits.num_speculative_tokens)
         finished = []
-        for work, tokens, accepted, drafts in zip(
-            works, output.token_ids, output.num_accepted, output.draft_token_ids
-        ):
+        for work, choice in zip(works, output.choices):
+            accepted = choice.num_accepted
             seq = self._live.get(work.seq_id)
             if seq is None or seq.in_flight_batch_id != batch.batch_id:
                 continue  # aborted or preempted while the batch ran
@@ -336,14 +335,14 @@ class Scheduler:
             seq.num_computed_tokens += accepted
             num_before = seq.num_tokens
             reason = seq.append_tokens(
-                tokens, self.eos_token_ids, self.limits.max_model_len
+                choice.token_ids, self.eos_token_ids, self.limits.max_model_len
             )
             self.num_generation_tokens += seq.num_tokens - num_before
             if reason is not None:
                 self._finish(seq, reason)
                 finished.append(seq)
                 continue
-            seq.spec_token_ids = list(drafts)
+            seq.spec_token_ids = list(choice.draft_token_ids)
             if work.num_spec_tokens:
                 self._pending_commits[seq.seq_id] = (seq.state_slot, accepted + 1)
         return finished

@@ -99,8 +99,8 @@ class Recorder:
         """Every draft each sequence received, sequences in admission order."""
         drafts: dict[int, list[list[int]]] = {}
         for output in self.outputs:
-            for seq_id, proposed in zip(output.seq_ids, output.draft_token_ids):
-                drafts.setdefault(seq_id, []).append(list(proposed))
+            for choice in output.choices:
+                drafts.setdefault(choice.seq_id, []).append(choice.draft_token_ids)
         return [drafts[s] for s in sorted(drafts)]
 
     def works_of(self, index: int) -> list:

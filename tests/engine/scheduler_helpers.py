@@ -3,7 +3,7 @@
 from dataclasses import fields
 
 from atom.config import EngineLimits
-from atom.model_engine.batch import BatchOutput, ScheduledBatch
+from atom.model_engine.batch import BatchOutput, ScheduledBatch, TokenChoice
 from atom.model_engine.scheduler import Scheduler
 from atom.model_engine.sequence import Sequence
 from atom.sampling_params import SamplingParams
@@ -35,7 +35,8 @@ def answer(batch: ScheduledBatch, emitted=None, accepted=None, drafts=None):
     emitted = emitted or [[50] for _ in ids]
     accepted = accepted or [len(e) - 1 for e in emitted]
     drafts = drafts or [[] for _ in ids]
-    return BatchOutput(batch.batch_id, ids, emitted, accepted, drafts)
+    choices = [TokenChoice(*choice) for choice in zip(ids, emitted, accepted, drafts)]
+    return BatchOutput(batch.batch_id, choices)
 
 
 def run_until_sampled(sched: Scheduler, drafts=None) -> ScheduledBatch:

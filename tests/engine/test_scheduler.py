@@ -2,7 +2,7 @@ import pickle
 
 import pytest
 
-from atom.model_engine.batch import BatchOutput
+from atom.model_engine.batch import BatchOutput, TokenChoice
 from atom.model_engine.scheduler import Scheduler
 from atom.model_engine.sequence import SequenceStatus
 from tests.engine.scheduler_helpers import (
@@ -281,10 +281,11 @@ def test_output_of_another_batch_raises():
     sched = make_scheduler()
     sched.add(seq_of([5, 6, 7]))
     batch = sched.schedule()
-    wrong = BatchOutput(batch.batch_id + 1, batch.sample_seq_ids, [[1]], [0], [[]])
+    (seq_id,) = batch.sample_seq_ids
+    wrong = BatchOutput(batch.batch_id + 1, [TokenChoice(seq_id, [1], 0, [])])
     with pytest.raises(RuntimeError, match="out of step"):
         sched.postprocess(batch, wrong)
-    stranger = BatchOutput(batch.batch_id, [12345], [[1]], [0], [[]])
+    stranger = BatchOutput(batch.batch_id, [TokenChoice(12345, [1], 0, [])])
     with pytest.raises(RuntimeError, match="expected"):
         sched.postprocess(batch, stranger)
     with pytest.raises(RuntimeError, match="without a BatchOutput"):

@@ -13,7 +13,7 @@ from collections import deque
 import pytest
 
 from atom.config import EngineLimits
-from atom.model_engine.batch import BatchOutput, ScheduledBatch
+from atom.model_engine.batch import BatchOutput, ScheduledBatch, TokenChoice
 from atom.model_engine.scheduler import Scheduler
 from atom.model_engine.sequence import Sequence
 from atom.sampling_params import SamplingParams
@@ -67,7 +67,7 @@ class ToyRunner:
                 self.num_forks += 1
             elif work.context_len == 0:
                 self.state[work.state_slot] = ()
-        ids, emitted, accepted, drafts = [], [], [], []
+        choices = []
         for work in batch.seqs:
             state = self.state[work.state_slot]
             targets, row_states = [], []
@@ -95,16 +95,14 @@ class ToyRunner:
                 a += 1
             tokens = work.token_ids[base + 1 : base + 1 + a] + [targets[base + a]]
             committed = row_states[base + a] + (tokens[-1],)
-            ids.append(work.seq_id)
-            emitted.append(tokens)
-            accepted.append(a)
-            drafts.append(self._propose(committed, work.block_table))
+            drafts = self._propose(committed, work.block_table)
+            choices.append(TokenChoice(work.seq_id, tokens, a, drafts))
         for work in batch.seqs:
             if work.state_save_dst is not None:
                 self.state[work.state_save_dst] = self.state[work.state_slot]
-        if not ids:
+        if not choices:
             return None
-        return BatchOutput(batch.batch_id, ids, emitted, accepted, drafts)
+        return BatchOutput(batch.batch_id, choices)
 
     def _propose(self, committed: tuple[int, ...], block_table: list[int]):
         if not self.num_spec:
