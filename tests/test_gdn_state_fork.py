@@ -124,7 +124,7 @@ def test_verify_commits_only_the_accepted_rows_on_every_stage(setup):
         batch, output = recorder.batches[-1], recorder.outputs[-1]
         if not batch.is_verify or output.batch_id != batch.batch_id:
             continue
-        (work,) = batch.seqs
+        (work,) = batch.work
         accepted = output.choices[0].num_accepted
         # Snapshot `accepted` is the state after rows [last, d1..d_accepted], the
         # one the next batch commits: the state after every token but the bonus.

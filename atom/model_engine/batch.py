@@ -43,7 +43,7 @@ class SeqWork:
 @dataclass
 class ScheduledBatch:
     batch_id: int
-    seqs: list[SeqWork]
+    work: list[SeqWork]
     # (state_slot, num_accepted_rows) of sequences whose previous forward verified
     # drafts; every stage applies them before running this batch.
     spec_commits: list[tuple[int, int]] = field(default_factory=list)
@@ -52,20 +52,20 @@ class ScheduledBatch:
 
     @property
     def num_tokens(self) -> int:
-        return sum(len(work.token_ids) for work in self.seqs)
+        return sum(len(work.token_ids) for work in self.work)
 
     @property
     def produces_output(self) -> bool:
         """Whether the last stage answers this batch with a BatchOutput."""
-        return any(work.sample for work in self.seqs)
+        return any(work.sample for work in self.work)
 
     @property
     def sample_seq_ids(self) -> list[int]:
-        return [work.seq_id for work in self.seqs if work.sample]
+        return [work.seq_id for work in self.work if work.sample]
 
     @property
     def is_verify(self) -> bool:
-        return any(work.num_spec_tokens for work in self.seqs)
+        return any(work.num_spec_tokens for work in self.work)
 
 
 @dataclass
@@ -104,7 +104,7 @@ class BatchOutput:
                 f"BatchOutput of batch {batch.batch_id} covers sequences "
                 f"{self.seq_ids}, expected {batch.sample_seq_ids}"
             )
-        works = [work for work in batch.seqs if work.sample]
+        works = [work for work in batch.work if work.sample]
         for work, choice in zip(works, self.choices):
             where = f"BatchOutput of batch {batch.batch_id}, sequence {work.seq_id}"
             verified = work.token_ids[1 : 1 + work.num_spec_tokens]

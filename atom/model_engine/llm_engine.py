@@ -145,7 +145,7 @@ class LLMEngine:
         batch = self.in_flight.popleft()
         self.scheduler.postprocess(batch, self.workers.receive_output())
         results = []
-        for work in batch.seqs:
+        for work in batch.work:
             request_id = self.outputs.request_of_seq.get(work.seq_id)
             if work.sample and request_id is not None:
                 results.append(self._output_of(request_id))

@@ -165,7 +165,7 @@ class ModelRunner:
             [slot for slot, _ in batch.spec_commits],
             [rows for _, rows in batch.spec_commits],
         )
-        forks = [work for work in batch.seqs if work.state_fork_src is not None]
+        forks = [work for work in batch.work if work.state_fork_src is not None]
         self.cache.copy_states(
             [work.state_fork_src for work in forks], [work.state_slot for work in forks]
         )
@@ -176,8 +176,8 @@ class ModelRunner:
             payload = recv_tensor_dict(self.device, self._expected_keys(num_tokens))
             taps_in = payload.pop(AUX_KEY, None)
             received = IntermediateTensors(payload)
-        out, positions, slot_mapping = self._forward(batch.seqs, received)
-        saves = [work for work in batch.seqs if work.state_save_dst is not None]
+        out, positions, slot_mapping = self._forward(batch.work, received)
+        saves = [work for work in batch.work if work.state_save_dst is not None]
         self.cache.copy_states(
             [work.state_slot for work in saves], [work.state_save_dst for work in saves]
         )
@@ -192,15 +192,15 @@ class ModelRunner:
         return self._finish_on_last_stage(batch, out, positions, slot_mapping, taps_in)
 
     def _forward(
-        self, seqs: list[SeqWork], received: IntermediateTensors | None
+        self, works: list[SeqWork], received: IntermediateTensors | None
     ) -> tuple[torch.Tensor | IntermediateTensors, torch.Tensor, torch.Tensor]:
         """(stage output, positions, slot mapping) of the batch's rows: a captured
         graph replays decode batches it covers, everything else runs eagerly."""
-        key = self.graphs.size_for(seqs) if self.graphs is not None else None
+        key = self.graphs.size_for(works) if self.graphs is not None else None
         if key is not None:
-            return self.graphs.run(key, seqs, received)
+            return self.graphs.run(key, works, received)
         input_ids, positions, metadata = prepare_inputs(
-            seqs, self.limits.block_size, self.device
+            works, self.limits.block_size, self.device
         )
         with set_forward_context(ForwardContext(metadata)):
             out = self.model(input_ids, positions, received)
@@ -229,7 +229,7 @@ class ModelRunner:
             )
         if not batch.produces_output:
             return None
-        sampling = SamplingMetadata.from_works(batch.seqs, self.device)
+        sampling = SamplingMetadata.from_works(batch.work, self.device)
         logits = self.model.compute_logits(hidden[sampling.logit_rows])
         choices = self.step_sampler.step(logits, sampling)
         return BatchOutput(batch.batch_id, choices)

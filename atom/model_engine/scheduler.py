@@ -116,7 +116,7 @@ class Scheduler:
             return None
         batch = ScheduledBatch(
             batch_id=self._next_batch_id,
-            seqs=works,
+            work=works,
             spec_commits=list(self._pending_commits.values()),
             finished_seq_ids=self._pending_finished,
         )
@@ -313,7 +313,7 @@ class Scheduler:
         self, batch: ScheduledBatch, output: BatchOutput | None
     ) -> list[Sequence]:
         """Apply one batch's output; returns the sequences that finished."""
-        works = [work for work in batch.seqs if work.sample]
+        works = [work for work in batch.work if work.sample]
         if output is None:
             if works:
                 raise RuntimeError(

@@ -105,8 +105,8 @@ class Recorder:
 
     def works_of(self, index: int) -> list:
         """SeqWorks of the index-th sequence (admission order), batch order."""
-        seq_ids = sorted({w.seq_id for b in self.batches for w in b.seqs})
-        return [w for b in self.batches for w in b.seqs if w.seq_id == seq_ids[index]]
+        seq_ids = sorted({w.seq_id for b in self.batches for w in b.work})
+        return [w for b in self.batches for w in b.work if w.seq_id == seq_ids[index]]
 
     def slots(self, index: int, num_tokens: int) -> list[int]:
         """Paged-KV slots of positions 0..num_tokens-1 of the index-th sequence."""

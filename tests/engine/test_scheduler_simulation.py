@@ -61,14 +61,14 @@ class ToyRunner:
     def execute(self, batch: ScheduledBatch) -> BatchOutput | None:
         for slot, rows in batch.spec_commits:
             self.state[slot] = self.snapshots.pop(slot)[rows - 1]
-        for work in batch.seqs:
+        for work in batch.work:
             if work.state_fork_src is not None:
                 self.state[work.state_slot] = self.state[work.state_fork_src]
                 self.num_forks += 1
             elif work.context_len == 0:
                 self.state[work.state_slot] = ()
         choices = []
-        for work in batch.seqs:
+        for work in batch.work:
             state = self.state[work.state_slot]
             targets, row_states = [], []
             for i, token in enumerate(work.token_ids):
@@ -97,7 +97,7 @@ class ToyRunner:
             committed = row_states[base + a] + (tokens[-1],)
             drafts = self._propose(committed, work.block_table)
             choices.append(TokenChoice(work.seq_id, tokens, a, drafts))
-        for work in batch.seqs:
+        for work in batch.work:
             if work.state_save_dst is not None:
                 self.state[work.state_save_dst] = self.state[work.state_slot]
         if not choices:

@@ -55,18 +55,18 @@ def work(
 @torch.inference_mode()
 def forward_rows(
     model: nn.Module,
-    seqs: list[SeqWork],
+    works: list[SeqWork],
     intermediate: IntermediateTensors | None = None,
 ) -> torch.Tensor | IntermediateTensors:
-    """One forward of `seqs` (hidden states on the last stage, else the payload)."""
-    input_ids, positions, metadata = prepare_inputs(seqs, BLOCK_SIZE, "cpu")
+    """One forward of `works` (hidden states on the last stage, else the payload)."""
+    input_ids, positions, metadata = prepare_inputs(works, BLOCK_SIZE, "cpu")
     with set_forward_context(ForwardContext(metadata)):
         return model(input_ids, positions, intermediate)
 
 
 @torch.inference_mode()
-def logits_of(model: nn.Module, seqs: list[SeqWork]) -> torch.Tensor:
-    return model.compute_logits(forward_rows(model, seqs))
+def logits_of(model: nn.Module, works: list[SeqWork]) -> torch.Tensor:
+    return model.compute_logits(forward_rows(model, works))
 
 
 @torch.no_grad()
