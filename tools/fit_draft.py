@@ -291,6 +291,6 @@ def engine_acceptance(
     ]
     try:
         engine.generate(prompts, params)
-        return engine.get_mtp_statistics()
+        return engine.get_spec_decode_stats()
     finally:
         engine.close()

@@ -217,9 +217,13 @@ class LLMEngine:
     def get_stats(self) -> dict:
         return self.scheduler.stats()
 
-    def get_mtp_statistics(self) -> dict | None:
+    def get_spec_decode_stats(self) -> dict | None:
+        """Cumulative speculative-decoding counters (None without speculation)."""
         stats = self.scheduler.spec_stats
         return stats.as_dict() if stats is not None else None
+
+    # ATOM's name for the same counters.
+    get_mtp_statistics = get_spec_decode_stats
 
     def format_mtp_stats_line(self) -> str | None:
         stats = self.scheduler.spec_stats

@@ -189,7 +189,7 @@ class ModelRunner:
                     payload[AUX_KEY] = packed
             send_tensor_dict(payload)
             return None
-        return self._finish_on_last_stage(batch, out, positions, slot_mapping, taps_in)
+        return self._sample_and_draft(batch, out, positions, slot_mapping, taps_in)
 
     def _forward(
         self, works: list[SeqWork], received: IntermediateTensors | None
@@ -216,9 +216,16 @@ class ModelRunner:
             keys.add(AUX_KEY)
         return keys
 
-    def _finish_on_last_stage(
-        self, batch, hidden, positions, slot_mapping, taps_in
+    def _sample_and_draft(
+        self,
+        batch: ScheduledBatch,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        taps_in: torch.Tensor | None,
     ) -> BatchOutput | None:
+        """Last stage: write the draft's context for this forward's rows; when the
+        batch samples, choose each sampled sequence's tokens and next drafts."""
         num_tokens = positions.numel()
         if self.drafter is not None:
             relayed = None

@@ -154,7 +154,7 @@ def generate_ids(engine: LLMEngine, prompts, params=GREEDY) -> list[list[int]]:
 
 
 def acceptance(engine: LLMEngine) -> float:
-    return engine.get_mtp_statistics()["acceptance_rate"]
+    return engine.get_spec_decode_stats()["acceptance_rate"]
 
 
 # ---- run inside every rank (engine.workers.call) ----

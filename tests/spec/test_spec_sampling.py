@@ -123,7 +123,7 @@ def test_emitted_tokens_follow_the_target_distribution(target, case):
     samples = [
         out["token_ids"] for out in engine.generate([PROMPT] * NUM_REQUESTS, params)
     ]
-    stats = engine.get_mtp_statistics()
+    stats = engine.get_spec_decode_stats()
     prefixes = [tuple(s[:k]) for s in samples for k in range(POSITIONS)]
     engine.close()
     exact = exact_distributions(target, prefixes, params[0])
