@@ -20,7 +20,7 @@ from atom.distributed.pp_comm import recv_tensor_dict, send_tensor_dict
 from atom.model_engine.batch import BatchOutput, ScheduledBatch, SeqWork
 from atom.model_engine.cache_engine import CacheEngine
 from atom.model_engine.cuda_graph import DecodeGraphs, capture_sizes
-from atom.model_engine.memory_ledger import log_memory_ledger
+from atom.model_engine.memory_ledger import log_memory_ledger, memory_ledger
 from atom.model_engine.model_inputs import prepare_inputs
 from atom.model_engine.step_sampler import StepSampler
 from atom.model_loader.build import building_on, load_target
@@ -55,7 +55,8 @@ class ModelRunner:
         self.step_sampler = StepSampler(proposer)
         self.cache: CacheEngine | None = None
         self.graphs: DecodeGraphs | None = None
-        self.memory_ledger = log_memory_ledger(self.model, self.drafter)
+        self.memory_ledger = memory_ledger(self.model, self.drafter)
+        log_memory_ledger(self.memory_ledger)
 
     def _build_drafter(self) -> Drafter | None:
         if self.config.speculative_config is None or not self.is_last_stage:
