@@ -51,8 +51,11 @@ class ModelRunner:
         self.model, self.load_report = load_target(config, device)
         self.drafter = self._build_drafter()
         self.relay = self._build_relay()
-        proposer = self.drafter if self.drafter and self.drafter.will_propose else None
-        self.step_sampler = StepSampler(proposer)
+        # No proposer without speculation or on a context-only producer.
+        self.proposer = (
+            self.drafter if self.drafter and self.drafter.will_propose else None
+        )
+        self.step_sampler = StepSampler(self.proposer)
         self.cache: CacheEngine | None = None
         self.graphs: DecodeGraphs | None = None
         self.memory_ledger = memory_ledger(self.model, self.drafter)
@@ -146,8 +149,8 @@ class ModelRunner:
             self.config.cudagraph_capture_sizes, self.limits.max_num_seqs
         )
         table_width = self.limits.max_blocks_per_seq
-        if self.drafter is not None and self.drafter.will_propose:
-            self.drafter.capture_graphs(sizes, table_width)
+        if self.proposer is not None:
+            self.proposer.capture_graphs(sizes, table_width)
         return DecodeGraphs(
             self.model,
             sizes,
