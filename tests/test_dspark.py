@@ -18,7 +18,7 @@ from atom.model_engine.batch import SeqWork
 from atom.model_engine.cache_engine import CacheEngine
 from atom.model_engine.model_inputs import prepare_inputs
 from atom.model_loader.loader import WeightLoadingError, load_weights, parameter_bytes
-from atom.models.kimi_k3_dspark import KimiK3DSpark
+from atom.models.kimi_k3.dspark import KimiK3DSpark
 from atom.models.registry import get_model_class
 from atom.models.tiny import resolve_model_path
 from atom.models.utils import PPMissingLayer, language_model_of

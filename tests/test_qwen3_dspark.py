@@ -20,7 +20,7 @@ from atom.model_engine.cache_engine import CacheEngine
 from atom.model_engine.model_runner import ModelRunner
 from atom.model_loader.loader import WeightLoadingError, load_weights
 from atom.models.minimax_m3 import model as minimax_model
-from atom.models.qwen3_dspark import Qwen3DSpark
+from atom.models.minimax_m3.dspark import Qwen3DSpark
 from atom.models.registry import draft_tap_ids, get_model_class
 from atom.models.tiny import resolve_model_path
 from atom.models.tiny.configs import TOKEN_IDS

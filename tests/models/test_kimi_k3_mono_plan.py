@@ -11,9 +11,9 @@ import pytest
 
 from atom.config import Config
 from atom.models.kimi_k3.config import KimiTextConfig
+from atom.models.kimi_k3.dspark_config import DSparkDraftConfig
 from atom.models.kimi_k3.model import text_config_of
 from atom.models.kimi_k3.plan import FFN, Attention
-from atom.models.kimi_k3_dspark_config import DSparkDraftConfig
 from atom.models.tiny.configs import dspark_config, k3_text_config
 from tests.models.kimi_helpers import k3_full_size_text
 

@@ -38,7 +38,7 @@ from atom.model_ops.paged_attention import gqa_attention
 from atom.model_ops.paged_mla import gather_kv, write_kv
 from atom.model_ops.rotary_embedding import RotaryEmbedding
 from atom.models.dspark_base import MarkovHead, SharedEmbeddingDraft
-from atom.models.qwen3_dspark_config import Qwen3DSparkConfig
+from atom.models.minimax_m3.dspark_config import Qwen3DSparkConfig
 from atom.utils.forward_context import ForwardContext, set_forward_context
 
 _QKV = re.compile(r"\.self_attn\.(?P<proj>[qkv])_proj\.weight$")

@@ -33,7 +33,7 @@ from atom.model_ops.linear import (
 from atom.model_ops.paged_mla import gather_kv, latent_attention, write_kv
 from atom.model_ops.rotary_embedding import RotaryEmbedding
 from atom.models.dspark_base import MarkovHead, SharedEmbeddingDraft
-from atom.models.kimi_k3_dspark_config import DSparkDraftConfig
+from atom.models.kimi_k3.dspark_config import DSparkDraftConfig
 from atom.utils.forward_context import ForwardContext, set_forward_context
 
 
