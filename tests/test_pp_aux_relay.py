@@ -1,4 +1,4 @@
-"""The DSpark tap relay across pipeline stages (pp_dspark.md section 2, test plan 6.1).
+"""The DSpark tap relay across pipeline stages (docs/pp_dspark.md).
 
 Stages are real toy targets holding PPMissingLayers outside their layer range and
 always a real `embed_tokens`; pipelines run in-process, stage after stage.

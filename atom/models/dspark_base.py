@@ -3,7 +3,7 @@ Markov head.
 
 A DSpark draft was trained against the frozen target table and has no LM head of its
 own, so after its weights load it binds the target's `embed_tokens` and `lm_head` by
-object reference (pp_dspark.md section 4). The bound modules stay *outside* the
+object reference (docs/pp_dspark.md, "Binding"). The bound modules stay *outside* the
 draft's module tree: `draft.parameters()`, `state_dict()` and the loader's accounting
 see only the draft's own weights, the memory ledger does not count the table twice,
 and `.to()` on the target moves the shared modules in place (the draft keeps pointing

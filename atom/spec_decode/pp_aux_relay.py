@@ -1,4 +1,4 @@
-"""Relay of DSpark tap hidden states across pipeline stages (pp_dspark.md section 2).
+"""Relay of DSpark tap hidden states across pipeline stages (docs/pp_dspark.md).
 
 The drafter lives on the last stage, but its taps span the whole stack. Each stage
 derives, from its own layer placement alone, which taps it owns, which arrive from

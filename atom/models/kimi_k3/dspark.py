@@ -1,4 +1,4 @@
-"""The Kimi-K3 DSpark draft (K3DSparkModel, dspark.md sections 2-3).
+"""The Kimi-K3 DSpark draft (K3DSparkModel; docs/dspark.md).
 
 A small MLA + SwiGLU stack that drafts T tokens in one non-causal pass. Target
 context enters only as *context rows* in each draft layer's paged KV cache:
@@ -60,7 +60,7 @@ class DSparkAttention(nn.Module):
             self.kv_lora_rank, heads * (self.nope_dim + self.v_dim)
         )
         self.o_proj = RowParallelLinear(heads * self.v_dim, hidden)
-        # The draft's own YaRN RoPE, GPT-J interleaved (dspark.md 3.5).
+        # The draft's own YaRN RoPE, GPT-J interleaved.
         self.rotary = RotaryEmbedding(
             self.rope_dim, config.rope_theta, config.rope_scaling, interleaved=True
         )
@@ -169,7 +169,7 @@ class KimiK3DSpark(SharedEmbeddingDraft):
     after loading; the checkpoint's embedding copy and confidence head are skipped.
     """
 
-    # One plain class-level list, never rebound or mutated per stage (F7).
+    # One plain class-level list, never rebound or mutated per stage.
     skip_weight_prefixes = ["confidence_head.", "embed_tokens.", "lm_head."]
     config_class = DSparkDraftConfig
     packed_modules_mapping = {

@@ -1,4 +1,4 @@
-"""The K3DSparkModel draft config, read and validated (dspark.md 2.1).
+"""The K3DSparkModel draft config, read and validated.
 
 Every width, the tap ids, the mask token and the Markov rank come from the draft's
 config.json; nothing is hard-coded. A draft that does not fit its target (tap
