@@ -63,10 +63,6 @@ class ScheduledBatch:
     def sample_seq_ids(self) -> list[int]:
         return [work.seq_id for work in self.work if work.sample]
 
-    @property
-    def is_verify(self) -> bool:
-        return any(work.num_spec_tokens for work in self.work)
-
 
 @dataclass
 class TokenChoice:

@@ -100,7 +100,7 @@ def test_eos_and_max_tokens_finish_and_free_resources():
     finished = sched.postprocess(batch, answer(batch, [[40], [EOS]]))
     assert [s.finish_reason for s in finished] == ["length", "stop"]
     assert sched.is_finished() and sched.block_manager.num_used_blocks == 0
-    assert sched.state_slots.num_free == 4
+    assert a.state_slot is None and b.state_slot is None
     ignore = seq_of([5, 6], ignore_eos=True, max_tokens=2)
     sched.add(ignore)
     batch = sched.schedule()
