@@ -21,7 +21,6 @@ from tokenizers import Tokenizer
 from atom.model_engine.batch import BatchOutput, ScheduledBatch
 from atom.model_engine.llm_engine import LLMEngine
 from atom.models.tiny import resolve_model_path
-from atom.models.tiny.configs import TOKEN_IDS
 from atom.models.tiny.excerpt import held_out_verses
 from atom.models.tiny.tokenizer import TOKENIZER_FILE
 from atom.models.utils import PPMissingLayer, language_model_of, pp_holds_embedding
@@ -41,8 +40,6 @@ SETTINGS = dict(
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
 PAIRS = {"k3": ("tiny-kimi-k3", "tiny-kimi-k3-dspark"),
          "k31": ("tiny-kimi-k31", "tiny-kimi-k31-dspark")}  # fmt: skip
-# The tiny vocabularies end with bos / eos / pad / mask; prompts use plain tokens.
-NUM_PLAIN_TOKENS = min(TOKEN_IDS.values())
 
 
 @contextlib.contextmanager
