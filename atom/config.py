@@ -64,13 +64,12 @@ def load_hf_config(model_dir: str) -> HFConfig:
         return HFConfig(json.load(f))
 
 
-@dataclass
+@dataclass(frozen=True)
 class ParallelConfig:
+    """The rank layout: global rank = pp_rank * tensor_parallel_size + tp_rank."""
+
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
-    rank: int = 0
-    backend: str | None = None  # None: gloo on CPU, nccl on CUDA
-    init_method: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
@@ -81,13 +80,78 @@ class ParallelConfig:
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
-    @property
-    def tp_rank(self) -> int:
-        return self.rank % self.tensor_parallel_size
+    def describe_rank(self, rank: int) -> str:
+        tp = self.tensor_parallel_size
+        return f"pp_rank {rank // tp}, tp_rank {rank % tp}"
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """Batch limits and cache sizes, decided once (`Config.limits`) and shared by the
+    scheduler and every rank's runner, so no two places size the caches apart."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    block_size: int
+    # Drafts verified per decoding step (0 without speculation).
+    num_speculative_tokens: int = 0
+    # Recurrent-state slots after the request slots that keep the state at a cached
+    # prompt boundary, so a later request can resume that prefix.
+    num_state_checkpoints: int = 0
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        for name in (
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "max_model_len",
+            "block_size",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("num_speculative_tokens", "num_state_checkpoints"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.num_state_checkpoints and not self.enable_prefix_caching:
+            raise ValueError("state checkpoints serve prefix caching, which is off")
+        if self.max_num_batched_tokens < self.num_speculative_tokens + 1:
+            raise ValueError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} cannot hold "
+                f"one verify of {self.num_speculative_tokens + 1} rows"
+            )
+        if (
+            not self.enable_chunked_prefill
+            and self.max_num_batched_tokens < self.max_model_len
+        ):
+            raise ValueError(
+                "without chunked prefill max_num_batched_tokens="
+                f"{self.max_num_batched_tokens} must be >= "
+                f"max_model_len={self.max_model_len}"
+            )
 
     @property
-    def pp_rank(self) -> int:
-        return self.rank // self.tensor_parallel_size
+    def max_blocks_per_seq(self) -> int:
+        """KV blocks one sequence may hold: the drafter's block rows sit after the
+        last verify row, so positions reach max_model_len - 2 + T."""
+        longest = self.max_model_len - 1 + self.num_speculative_tokens
+        return -(-longest // self.block_size)
+
+    @property
+    def num_state_slots(self) -> int:
+        """Request slots 0..max_num_seqs-1, then the checkpoint slots."""
+        return self.max_num_seqs + self.num_state_checkpoints
+
+    def check_kv_blocks(self, num_kv_blocks: int) -> None:
+        """Refuse a KV cache too small for one sequence of max_model_len."""
+        if num_kv_blocks < self.max_blocks_per_seq:
+            raise ValueError(
+                f"one sequence of max_model_len={self.max_model_len} needs "
+                f"{self.max_blocks_per_seq} KV blocks of {self.block_size} tokens but "
+                f"the cache has {num_kv_blocks}; lower max_model_len or give the "
+                "cache more memory"
+            )
 
 
 @dataclass
@@ -154,10 +218,11 @@ class Config:
     seed: int = 0
     method: str | None = None
     draft_model: str | None = None
+    # Drafts per decoding step; 0 once built without a speculative method.
     num_speculative_tokens: int = 1
     hf_config: HFConfig = field(default_factory=HFConfig)
-    speculative_config: SpeculativeConfig | None = None
-    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    # Built from method, draft_model and num_speculative_tokens.
+    speculative_config: SpeculativeConfig | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         from atom.models.tiny import resolve_model_path
@@ -177,14 +242,9 @@ class Config:
         self.model = resolve_model_path(self.model)
         if not self.hf_config:
             self.hf_config = load_hf_config(self.model)
-        self.parallel_config = ParallelConfig(
-            self.tensor_parallel_size,
-            self.pipeline_parallel_size,
-            rank=self.parallel_config.rank,
-            backend=self.parallel_config.backend,
-            init_method=self.parallel_config.init_method,
-        )
-        if self.method is not None and self.speculative_config is None:
+        if self.method is None:
+            self.num_speculative_tokens = 0
+        else:
             draft = resolve_model_path(self.draft_model) if self.draft_model else None
             self.speculative_config = SpeculativeConfig(
                 method=self.method,
@@ -195,10 +255,30 @@ class Config:
         text = self.hf_config.text
         if self.max_model_len is None:
             self.max_model_len = int(text.first_of(CONTEXT_LENGTH_FIELDS) or 4096)
-        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        # Building them validates the rank layout and every limit.
+        _ = self.parallel_config, self.limits
         self._validate_parallel(text)
+
+    @property
+    def parallel_config(self) -> ParallelConfig:
+        return ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size)
+
+    @property
+    def limits(self) -> EngineLimits:
+        return EngineLimits(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            block_size=self.block_size,
+            num_speculative_tokens=self.num_speculative_tokens,
+            # One per request slot: a recurrent layer resumes a cached prefix only
+            # from a saved state (models without one never use them).
+            num_state_checkpoints=(
+                self.max_num_seqs if self.enable_prefix_caching else 0
+            ),
+            enable_prefix_caching=self.enable_prefix_caching,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+        )
 
     def _validate_parallel(self, text: HFConfig) -> None:
         pp, tp = self.pipeline_parallel_size, self.tensor_parallel_size
@@ -215,8 +295,6 @@ class Config:
                     f"tensor_parallel_size={tp} does not divide {name}={value}"
                 )
         if self.pp_layer_partition is not None:
-            from atom.models.utils import validate_partition
-
             validate_partition(self.pp_layer_partition, layers, pp)
 
     @property
@@ -236,16 +314,25 @@ class Config:
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
-    @property
-    def num_speculative_rows(self) -> int:
-        """Drafts verified per decoding step (0 without speculation)."""
-        spec = self.speculative_config
-        return spec.num_speculative_tokens if spec else 0
-
 
 def is_context_only_producer(config: Config) -> bool:
     """A P/D prefill node: it writes KV (target and draft context) but never decodes."""
     return config.kv_role == "kv_producer"
+
+
+def validate_partition(parts: list[int], num_layers: int, pp_size: int) -> None:
+    if len(parts) != pp_size:
+        raise ValueError(
+            f"pp layer partition {parts} has {len(parts)} entries, "
+            f"pipeline_parallel_size is {pp_size}"
+        )
+    if sum(parts) != num_layers:
+        raise ValueError(
+            f"pp layer partition {parts} sums to {sum(parts)}, "
+            f"the model has {num_layers} layers"
+        )
+    if min(parts) < 1:
+        raise ValueError(f"pp layer partition {parts} leaves a stage without layers")
 
 
 def parse_partition(text: str) -> list[int]:

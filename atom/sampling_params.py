@@ -97,10 +97,6 @@ class SamplingParams:
             raise ValueError("SamplingParams.stop must not contain an empty string")
 
     @property
-    def is_greedy(self) -> bool:
-        return self.temperature == 0
-
-    @property
     def stop_strings(self) -> list[str]:
         """`stop` as a list (empty when unset)."""
         if self.stop is None:

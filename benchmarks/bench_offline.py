@@ -97,7 +97,7 @@ def run(
     outputs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
     tokens = sum(len(o["token_ids"]) for o in outputs)
-    stats = llm.get_mtp_statistics()
+    stats = llm.get_spec_decode_stats()
     llm.close()
     extra = ""
     if stats:

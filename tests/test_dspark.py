@@ -18,11 +18,12 @@ from atom.model_engine.batch import SeqWork
 from atom.model_engine.cache_engine import CacheEngine
 from atom.model_engine.model_inputs import prepare_inputs
 from atom.model_loader.loader import WeightLoadingError, load_weights, parameter_bytes
-from atom.models.kimi_k3_dspark import KimiK3DSpark
+from atom.models.kimi_k3.dspark import KimiK3DSpark
 from atom.models.registry import get_model_class
 from atom.models.tiny import resolve_model_path
 from atom.models.utils import PPMissingLayer, language_model_of
-from atom.spec_decode.drafter import Drafter, check_shared_embedding
+from atom.spec_decode.dspark_drafter import DSparkDrafter, check_shared_embedding
+from atom.spec_decode.factory import build_drafter
 from atom.utils.forward_context import ForwardContext, set_forward_context
 from tests.spec.spec_helpers import propose_on_host
 from tests.toy_target import ToyCausalLM
@@ -55,8 +56,8 @@ def build_target(config: Config, load: bool = True) -> nn.Module:
     return target.eval()
 
 
-def loaded_drafter(config: Config, target: nn.Module) -> Drafter:
-    drafter = Drafter(config)
+def loaded_drafter(config: Config, target: nn.Module) -> DSparkDrafter:
+    drafter = DSparkDrafter(config)
     drafter.load_model(target)
     return drafter
 
@@ -201,7 +202,7 @@ def test_producer_skips_share_and_check_but_validates_vocab():
     assert drafter.resident_taps == [4, 6]
     with pytest.raises(RuntimeError, match="never drafts"):
         propose_on_host(drafter, [1], [3], [[0]], [0.0])
-    producer = Drafter(make_config(kv_role="kv_producer"))
+    producer = DSparkDrafter(make_config(kv_role="kv_producer"))
     with pytest.raises(ValueError, match="vocab_size"):
         producer.load_model(ToyCausalLM(hidden=128, vocab=512))
 
@@ -213,12 +214,6 @@ def _prefill(target, drafter, tokens, context_len=0, block_table=None):
         context_len=context_len,
         block_table=block_table or list(range(8)),
         state_slot=0,
-        sample=True,
-        num_spec_tokens=0,
-        temperature=0.0,
-        top_k=0,
-        top_p=1.0,
-        seed=None,
     )
     ids, positions, metadata = prepare_inputs([work], BLOCK_SIZE, "cpu")
     with torch.inference_mode(), set_forward_context(ForwardContext(metadata)):
@@ -238,16 +233,16 @@ def test_prefill_then_propose_end_to_end(pp1):
     _prefill(target, drafter, PROMPT)
     n = len(PROMPT)
     embedding = target.language_model.model.embed_tokens(torch.tensor(PROMPT))
-    assert torch.equal(drafter.tap_buffers[0][:n], embedding)
-    taps_before = [buf.clone() for buf in drafter.tap_buffers]
+    assert torch.equal(drafter.tap_buffers[-1][:n], embedding)
+    taps_before = {t: buf.clone() for t, buf in drafter.tap_buffers.items()}
     anchors, positions, tables = [42, 7], [n, 5], [list(range(8))] * 2
     greedy = propose_on_host(drafter, anchors, positions, tables, [0.0] * 2)
     ids, probs = greedy.ids, greedy.probs
     assert ids.shape == (2, T) and ids.dtype == torch.long and probs is None
     assert bool(((ids >= 0) & (ids < 4096)).all())
     # The block pass embeds through the hooked table but records no tap.
-    for before, after in zip(taps_before, drafter.tap_buffers):
-        assert torch.equal(before, after)
+    for tap, before in taps_before.items():
+        assert torch.equal(drafter.tap_buffers[tap], before)
     mixed = [0.8, 0.0], [0.9, 1.0], [3, 3]  # temperatures, top-p, seeds
     sampled = propose_on_host(drafter, anchors, positions, tables, *mixed)
     ids, probs = sampled.ids, sampled.probs
@@ -287,7 +282,7 @@ def test_chunked_prefill_writes_the_same_context_and_drafts(pp1):
 
 def test_drafter_requires_a_draft_and_defaults_the_architecture():
     with pytest.raises(ValueError, match="speculative_config"):
-        Drafter(Config(model=TARGET))
+        DSparkDrafter(Config(model=TARGET))
     config = make_config()
     spec = config.speculative_config
     spec.draft_hf_config = HFConfig(
@@ -296,3 +291,10 @@ def test_drafter_requires_a_draft_and_defaults_the_architecture():
     drafter = loaded_drafter(config, build_target(config, load=False))
     assert drafter.architecture == "K3DSparkModel"
     assert isinstance(drafter.model, KimiK3DSpark)
+
+
+def test_the_factory_builds_the_drafter_of_the_method():
+    assert isinstance(build_drafter(make_config()), DSparkDrafter)
+    eagle = Config(model=TARGET, method="eagle3", draft_model=TARGET)
+    with pytest.raises(ValueError, match="'eagle3' has no drafter.*dspark"):
+        build_drafter(eagle)

@@ -19,7 +19,7 @@ from atom.model_engine.model_inputs import prepare_inputs
 from atom.model_loader.loader import load_weights
 from atom.models.registry import get_model_class
 from atom.models.utils import IntermediateTensors
-from atom.spec_decode.drafter import Drafter
+from atom.spec_decode.dspark_drafter import DSparkDrafter
 from atom.spec_decode.pp_aux_relay import AUX_KEY, PPAuxRelay
 from atom.utils.forward_context import ForwardContext, set_forward_context
 from tests.spec.spec_helpers import propose_on_host
@@ -45,12 +45,14 @@ def prefill_and_propose(rank: int, tp: int, pp: int):
     base = target.language_model.model
     draft_cfg = config.speculative_config.draft_hf_config
     relay = PPAuxRelay(base, draft_cfg["target_layer_ids"], 128, 64) if pp > 1 else None
-    drafter = Drafter(config) if stage.is_last_rank else None
+    drafter = DSparkDrafter(config) if stage.is_last_rank else None
     if drafter is not None:
         drafter.load_model(target)
     modules = [target] + ([drafter.model] if drafter else [])
     CacheEngine(modules, 8, BLOCK_SIZE, 1, 0, "cpu", torch.float32)
-    work = SeqWork(0, PROMPT, 0, TABLE, 0, True, 0, 0.0, 0, 1.0, None)
+    work = SeqWork(
+        seq_id=0, token_ids=PROMPT, context_len=0, block_table=TABLE, state_slot=0
+    )
     ids, positions, metadata = prepare_inputs([work], BLOCK_SIZE, "cpu")
     n = ids.numel()
     received, taps_in = None, None
@@ -65,13 +67,12 @@ def prefill_and_propose(rank: int, tp: int, pp: int):
         payload[AUX_KEY] = relay.pack(taps_in, n)
         send_tensor_dict(payload)
         return None
-    if relay is not None:
-        relay.absorb(taps_in, drafter.tap_buffers, n)
-    drafter.precompute_context_kv(positions, metadata.slot_mapping, n)
+    relayed = relay.unpack(taps_in, n) if relay is not None else None
+    drafter.precompute_context_kv(positions, metadata.slot_mapping, n, relayed)
     greedy = propose_on_host(drafter, [42], [n], [TABLE], [0.0]).ids
     sampled = propose_on_host(drafter, [42], [n], [TABLE], [0.8], [0.95], seeds=[5])
     sampled, probs = sampled.ids, sampled.probs
-    taps = torch.cat([buf[:n] for buf in drafter.tap_buffers], dim=-1)
+    taps = drafter.gather_taps(n, relayed)
     # numpy pickles by value; tensors would travel as shared-memory handles that
     # die with the rank process.
     return tuple(t.numpy() for t in (taps, greedy, sampled, probs))

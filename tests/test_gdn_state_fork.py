@@ -122,10 +122,11 @@ def test_verify_commits_only_the_accepted_rows_on_every_stage(setup):
         for out in engine.step():
             final = out.output_token_ids if out.finished else final
         batch, output = recorder.batches[-1], recorder.outputs[-1]
-        if not batch.is_verify or output.batch_id != batch.batch_id:
+        verifies = any(work.num_spec_tokens for work in batch.work)
+        if not verifies or output.batch_id != batch.batch_id:
             continue
-        (work,) = batch.seqs
-        accepted = output.num_accepted[0]
+        (work,) = batch.work
+        accepted = output.choices[0].num_accepted
         # Snapshot `accepted` is the state after rows [last, d1..d_accepted], the
         # one the next batch commits: the state after every token but the bonus.
         per_rank = engine.workers.call(kda_states(work.state_slot, accepted))

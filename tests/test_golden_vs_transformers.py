@@ -1,4 +1,4 @@
-"""The golden reference against transformers' Kimi Linear (kimi_k3.md section 7).
+"""The golden reference against transformers' Kimi Linear.
 
 transformers 5.24 `save_pretrained` writes the *checkpoint* names for kimi_linear
 (`self_attn.q_conv1d`, `self_attn.f_a_proj`, `block_sparse_moe.experts.{e}.w1`, ...),

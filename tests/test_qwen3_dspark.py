@@ -20,12 +20,12 @@ from atom.model_engine.cache_engine import CacheEngine
 from atom.model_engine.model_runner import ModelRunner
 from atom.model_loader.loader import WeightLoadingError, load_weights
 from atom.models.minimax_m3 import model as minimax_model
-from atom.models.qwen3_dspark import Qwen3DSpark
+from atom.models.minimax_m3.dspark import Qwen3DSpark
 from atom.models.registry import draft_tap_ids, get_model_class
 from atom.models.tiny import resolve_model_path
 from atom.models.tiny.configs import TOKEN_IDS
 from atom.models.utils import PPMissingLayer, language_model_of
-from atom.spec_decode.drafter import Drafter, check_shared_embedding
+from atom.spec_decode.dspark_drafter import DSparkDrafter, check_shared_embedding
 from tests.e2e.pp_probe import one_torch_thread
 
 TARGET, DRAFT, NO_EMBED = (
@@ -63,8 +63,8 @@ def build_target(config: Config, load: bool = True) -> torch.nn.Module:
     return target.eval()
 
 
-def loaded_drafter(config: Config, target: torch.nn.Module) -> Drafter:
-    drafter = Drafter(config)
+def loaded_drafter(config: Config, target: torch.nn.Module) -> DSparkDrafter:
+    drafter = DSparkDrafter(config)
     drafter.load_model(target)
     return drafter
 

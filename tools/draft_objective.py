@@ -2,7 +2,7 @@
 
 The engine's `KimiK3DSpark.block_forward` reads context rows from the paged KV cache
 under inference mode, one sequence at a time. Fitting needs gradients and many
-anchors per sequence, so this module evaluates the same equations (dspark.md 3.2-3.7)
+anchors per sequence, so this module evaluates the same equations (docs/dspark.md)
 for a batch of sequences and a set of anchors in each, through the draft's own
 submodules: context rows 0..p of an anchor come from the taps, block rows
 [x_{p+1}, m, ..., m] sit at positions p+1..p+T and see each other non-causally.
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from atom.models.kimi_k3_dspark import DSparkAttention, KimiK3DSpark
+from atom.models.kimi_k3.dspark import DSparkAttention, KimiK3DSpark
 
 
 def _expand_latent(

@@ -23,7 +23,7 @@ from torch import nn
 from atom.config import Config, load_hf_config
 from atom.model_engine.llm_engine import LLMEngine
 from atom.model_loader.loader import load_weights
-from atom.models.kimi_k3_dspark import KimiK3DSpark
+from atom.models.kimi_k3.dspark import KimiK3DSpark
 from atom.models.utils import language_model_of
 from atom.sampling_params import SamplingParams
 from atom.spec_decode.aux_capture import TapCapture, allocate_tap_buffers
@@ -291,6 +291,6 @@ def engine_acceptance(
     ]
     try:
         engine.generate(prompts, params)
-        return engine.get_mtp_statistics()
+        return engine.get_spec_decode_stats()
     finally:
         engine.close()

@@ -16,8 +16,7 @@ from atom.config import Config
 from atom.model_engine.batch import SeqWork
 from atom.model_engine.cache_engine import CacheEngine
 from atom.model_engine.model_inputs import prepare_inputs
-from atom.model_loader.loader import load_weights
-from atom.models.registry import get_model_class
+from atom.model_loader.build import load_target
 from atom.utils.forward_context import ForwardContext, set_forward_context
 
 BLOCK_SIZE = 16
@@ -37,15 +36,8 @@ def load_model(
     every parameter frozen (training unfreezes what it trains)."""
     device = torch.device(device)
     config = Config(model=model, device=device.type, dtype="float32")
-    saved = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float32)
-    try:
-        with device:
-            network = get_model_class(config.hf_config.architecture)(config)
-    finally:
-        torch.set_default_dtype(saved)
-    load_weights(network, config.model)
-    return network.eval(), config
+    network, _ = load_target(config, device)
+    return network, config
 
 
 def prefill(model: nn.Module, sequences: list[list[int]]) -> torch.Tensor:
@@ -60,10 +52,15 @@ def prefill(model: nn.Module, sequences: list[list[int]]) -> torch.Tensor:
         [model], blocks * count, BLOCK_SIZE, count, 0, parameter.device, parameter.dtype
     )
     works = [
-        SeqWork(i, list(seq), 0, list(range(i * blocks, (i + 1) * blocks)), i, True, 0,
-                0.0, -1, 1.0, None)
+        SeqWork(
+            seq_id=i,
+            token_ids=list(seq),
+            context_len=0,
+            block_table=list(range(i * blocks, (i + 1) * blocks)),
+            state_slot=i,
+        )
         for i, seq in enumerate(sequences)
-    ]  # fmt: skip
+    ]
     input_ids, positions, metadata = prepare_inputs(works, BLOCK_SIZE, parameter.device)
     with set_forward_context(ForwardContext(metadata)):
         return model(input_ids, positions)

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
-@dataclass
+@dataclass(kw_only=True)
 class SeqWork:
-    """One sequence's rows in one forward."""
+    """One sequence's rows in one forward (sampling fields default to greedy)."""
 
     seq_id: int
     # Prefill chunk, or [last_token] followed by the drafts to verify.
@@ -19,13 +19,13 @@ class SeqWork:
     # starts from a zero state, as the slot may hold a finished request's state.
     state_slot: int
     # The last stage samples (or verifies) this sequence in this forward.
-    sample: bool
+    sample: bool = True
     # Drafts among token_ids: token_ids = [last, d1..dT]; 0 when not verifying.
-    num_spec_tokens: int
-    temperature: float
-    top_k: int
-    top_p: float
-    seed: int | None
+    num_spec_tokens: int = 0
+    temperature: float = 0.0
+    top_k: int = -1
+    top_p: float = 1.0
+    seed: int | None = None
     # Copy the KDA state of this checkpoint slot into state_slot BEFORE the forward.
     state_fork_src: int | None = None
     # Copy the KDA state of state_slot into this checkpoint slot AFTER the forward.
@@ -43,7 +43,7 @@ class SeqWork:
 @dataclass
 class ScheduledBatch:
     batch_id: int
-    seqs: list[SeqWork]
+    work: list[SeqWork]
     # (state_slot, num_accepted_rows) of sequences whose previous forward verified
     # drafts; every stage applies them before running this batch.
     spec_commits: list[tuple[int, int]] = field(default_factory=list)
@@ -52,20 +52,16 @@ class ScheduledBatch:
 
     @property
     def num_tokens(self) -> int:
-        return sum(len(work.token_ids) for work in self.seqs)
+        return sum(len(work.token_ids) for work in self.work)
 
     @property
     def produces_output(self) -> bool:
         """Whether the last stage answers this batch with a BatchOutput."""
-        return any(work.sample for work in self.seqs)
+        return any(work.sample for work in self.work)
 
     @property
     def sample_seq_ids(self) -> list[int]:
-        return [work.seq_id for work in self.seqs if work.sample]
-
-    @property
-    def is_verify(self) -> bool:
-        return any(work.num_spec_tokens for work in self.seqs)
+        return [work.seq_id for work in self.work if work.sample]
 
 
 @dataclass
@@ -85,36 +81,12 @@ class BatchOutput:
     """Exactly one per output-producing batch, sent by the last stage."""
 
     batch_id: int
-    # Sequences with sample=True, in batch order.
-    seq_ids: list[int]
-    # Emitted tokens per sequence: accepted drafts then the bonus/correction token.
-    token_ids: list[list[int]]
-    num_accepted: list[int]
-    # Next drafts per sequence ([] without speculation).
-    draft_token_ids: list[list[int]]
+    # One per sequence with sample=True, in batch order.
+    choices: list[TokenChoice]
 
-    def __post_init__(self) -> None:
-        lengths = {
-            "token_ids": len(self.token_ids),
-            "num_accepted": len(self.num_accepted),
-            "draft_token_ids": len(self.draft_token_ids),
-        }
-        wrong = {k: n for k, n in lengths.items() if n != len(self.seq_ids)}
-        if wrong:
-            raise ValueError(
-                f"BatchOutput {self.batch_id}: {len(self.seq_ids)} seq_ids but "
-                f"lengths {wrong}"
-            )
-
-    @classmethod
-    def from_choices(cls, batch_id: int, choices: list[TokenChoice]) -> BatchOutput:
-        return cls(
-            batch_id,
-            [c.seq_id for c in choices],
-            [c.token_ids for c in choices],
-            [c.num_accepted for c in choices],
-            [c.draft_token_ids for c in choices],
-        )
+    @property
+    def seq_ids(self) -> list[int]:
+        return [choice.seq_id for choice in self.choices]
 
     def check_against(self, batch: ScheduledBatch, max_drafts: int) -> None:
         """Raise RuntimeError unless this is a consistent answer to `batch`."""
@@ -123,17 +95,16 @@ class BatchOutput:
                 f"BatchOutput of batch {self.batch_id} arrived while postprocessing "
                 f"batch {batch.batch_id}: the pipeline is out of step"
             )
-        works = [work for work in batch.seqs if work.sample]
-        if self.seq_ids != [work.seq_id for work in works]:
+        if self.seq_ids != batch.sample_seq_ids:
             raise RuntimeError(
                 f"BatchOutput of batch {batch.batch_id} covers sequences "
                 f"{self.seq_ids}, expected {batch.sample_seq_ids}"
             )
-        for work, tokens, accepted, drafts in zip(
-            works, self.token_ids, self.num_accepted, self.draft_token_ids
-        ):
+        works = [work for work in batch.work if work.sample]
+        for work, choice in zip(works, self.choices):
             where = f"BatchOutput of batch {batch.batch_id}, sequence {work.seq_id}"
             verified = work.token_ids[1 : 1 + work.num_spec_tokens]
+            tokens, accepted = choice.token_ids, choice.num_accepted
             if not 0 <= accepted <= len(verified):
                 raise RuntimeError(
                     f"{where}: {accepted} accepted drafts of {len(verified)} verified"
@@ -148,7 +119,8 @@ class BatchOutput:
                     f"{where}: accepted tokens {tokens[:accepted]} differ from the "
                     f"drafts {verified[:accepted]}"
                 )
-            if len(drafts) > max_drafts:
+            if len(choice.draft_token_ids) > max_drafts:
                 raise RuntimeError(
-                    f"{where}: {len(drafts)} drafts, at most {max_drafts} expected"
+                    f"{where}: {len(choice.draft_token_ids)} drafts, at most "
+                    f"{max_drafts} expected"
                 )

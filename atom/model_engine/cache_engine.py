@@ -9,8 +9,6 @@ Layers declare what they need and receive tensors as attributes:
 
 from __future__ import annotations
 
-import sys
-
 import torch
 from torch import nn
 
@@ -134,7 +132,10 @@ class CacheEngine:
             )
 
     def kv_bytes_per_block(self) -> int:
-        return _kv_bytes_per_block(self.kv_layers, self.block_size, self.dtype)
+        element = torch.empty(0, dtype=self.dtype).element_size()
+        return sum(
+            self.block_size * layer.kv_cache_dim * element for layer in self.kv_layers
+        )
 
     def state_bytes_per_slot(self) -> int:
         model_bytes = torch.empty(0, dtype=self.dtype).element_size()
@@ -144,25 +145,3 @@ class CacheEngine:
             conv, ssm = layer.state_shapes()
             total += rows * (_numel(conv) * model_bytes + _numel(ssm) * 4)
         return total
-
-    @staticmethod
-    def num_blocks_for_budget(
-        modules: list[nn.Module],
-        block_size: int,
-        budget_bytes: int,
-        dtype: torch.dtype | None = None,
-    ) -> int:
-        """KV blocks that fit `budget_bytes` (sys.maxsize when no layer needs KV, so a
-        minimum over pipeline stages ignores a KV-free stage)."""
-        dtype = dtype or torch.get_default_dtype()
-        per_block = _kv_bytes_per_block(kv_layers(modules), block_size, dtype)
-        if per_block == 0:
-            return sys.maxsize
-        return max(0, budget_bytes // per_block)
-
-
-def _kv_bytes_per_block(
-    layers: list[nn.Module], block_size: int, dtype: torch.dtype
-) -> int:
-    element = torch.empty(0, dtype=dtype).element_size()
-    return sum(block_size * layer.kv_cache_dim * element for layer in layers)

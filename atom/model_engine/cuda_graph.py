@@ -117,10 +117,6 @@ class DecodeGraphs:
             state_slot=self.state_slot,
             sample=False,
             num_spec_tokens=query_len - 1,
-            temperature=0.0,
-            top_k=0,
-            top_p=1.0,
-            seed=None,
         )
         packed, layout = build_step(
             [dummy], self.block_size, self.table_width, self._padding(size)
@@ -141,44 +137,44 @@ class DecodeGraphs:
                 output = self.model(ids, positions, payload)
         return _Capture(graph, packed, layout, metadata.slot_mapping, positions, output)
 
-    def size_for(self, seqs: list[SeqWork]) -> tuple[int, int] | None:
+    def size_for(self, works: list[SeqWork]) -> tuple[int, int] | None:
         """The capture that runs this batch, or None (run it eagerly).
 
         Decode batches only: every sequence continues (context > 0) with the same
         rows, and rows beyond the first are all drafts under verification.
         """
-        query_len = seqs[0].num_rows
-        if query_len not in self.query_lens or len(seqs) > self.sizes[-1]:
+        query_len = works[0].num_rows
+        if query_len not in self.query_lens or len(works) > self.sizes[-1]:
             return None
-        for work in seqs:
+        for work in works:
             if work.num_rows != query_len or work.context_len == 0:
                 return None
             if work.num_spec_tokens != query_len - 1:
                 return None
             if len(work.block_table) > self.table_width:
                 return None
-        size = next(s for s in self.sizes if s >= len(seqs))
+        size = next(s for s in self.sizes if s >= len(works))
         return size, query_len
 
     def run(
         self,
         key: tuple[int, int],
-        seqs: list[SeqWork],
+        works: list[SeqWork],
         intermediate: IntermediateTensors | None,
     ) -> tuple[torch.Tensor | IntermediateTensors, torch.Tensor, torch.Tensor]:
-        """Replay the capture `key` for `seqs`: (output rows, positions and slot
+        """Replay the capture `key` for `works`: (output rows, positions and slot
         mapping of the real sequences' rows, which come first)."""
         size, query_len = key
         capture = self.captures[key]
         packed, layout = build_step(
-            seqs, self.block_size, self.table_width, self._padding(size)
+            works, self.block_size, self.table_width, self._padding(size)
         )
         if layout != capture.layout:
             raise RuntimeError(
                 f"batch layout {layout} differs from the captured {capture.layout}"
             )
         capture.packed.copy_(packed, non_blocking=True)
-        num_rows = len(seqs) * query_len
+        num_rows = len(works) * query_len
         if intermediate is not None:
             static = self._payload(num_rows)
             for name, value in intermediate.items():

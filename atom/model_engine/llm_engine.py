@@ -44,24 +44,16 @@ class LLMEngine:
         )
         self.model_name = model
         self.max_model_len = config.max_model_len
-        num_checkpoints = config.max_num_seqs if config.enable_prefix_caching else 0
         if config.parallel_config.world_size == 1:
-            self.workers = InProcessWorker(config, num_checkpoints)
+            self.workers = InProcessWorker(config)
         else:
-            self.workers = WorkerGroup(config, num_checkpoints)
+            self.workers = WorkerGroup(config)
         info = self.workers.info
         self.scheduler = Scheduler(
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=config.max_model_len,
-            block_size=config.block_size,
-            num_kv_blocks=info.num_kv_blocks,
-            enable_prefix_caching=config.enable_prefix_caching,
-            enable_chunked_prefill=config.enable_chunked_prefill,
+            config.limits,
+            info.num_kv_blocks,
             has_recurrent_state=info.has_recurrent_state,
-            num_speculative_tokens=config.num_speculative_rows,
             eos_token_id=self._eos_token_id(),
-            num_state_checkpoints=num_checkpoints,
         )
         self.outputs = OutputProcessor(self.tokenizer)
         # Seeds of requests that come without one; Config.seed makes them repeatable.
@@ -153,7 +145,7 @@ class LLMEngine:
         batch = self.in_flight.popleft()
         self.scheduler.postprocess(batch, self.workers.receive_output())
         results = []
-        for work in batch.seqs:
+        for work in batch.work:
             request_id = self.outputs.request_of_seq.get(work.seq_id)
             if work.sample and request_id is not None:
                 results.append(self._output_of(request_id))
@@ -225,9 +217,13 @@ class LLMEngine:
     def get_stats(self) -> dict:
         return self.scheduler.stats()
 
-    def get_mtp_statistics(self) -> dict | None:
+    def get_spec_decode_stats(self) -> dict | None:
+        """Cumulative speculative-decoding counters (None without speculation)."""
         stats = self.scheduler.spec_stats
         return stats.as_dict() if stats is not None else None
+
+    # ATOM's name for the same counters.
+    get_mtp_statistics = get_spec_decode_stats
 
     def format_mtp_stats_line(self) -> str | None:
         stats = self.scheduler.spec_stats

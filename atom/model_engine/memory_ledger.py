@@ -7,6 +7,7 @@ vocab/tp x hidden x dtype bytes there, and nothing where no sharing drafter runs
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 from torch import nn
 
@@ -14,10 +15,13 @@ from atom.distributed.parallel_state import get_pp_group, get_tp_group
 from atom.model_loader.loader import parameter_bytes
 from atom.models.utils import language_model_of
 
+if TYPE_CHECKING:
+    from atom.spec_decode.drafter import Drafter
+
 logger = logging.getLogger(__name__)
 
 
-def memory_ledger(model: nn.Module, drafter=None) -> dict[str, int]:
+def memory_ledger(model: nn.Module, drafter: Drafter | None = None) -> dict[str, int]:
     lm = language_model_of(model)
     base = lm.model
     ledger = {
@@ -31,8 +35,7 @@ def memory_ledger(model: nn.Module, drafter=None) -> dict[str, int]:
     return ledger
 
 
-def log_memory_ledger(model: nn.Module, drafter=None) -> dict[str, int]:
-    ledger = memory_ledger(model, drafter)
+def log_memory_ledger(ledger: dict[str, int]) -> None:
     parts = ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in ledger.items())
     logger.info(
         "[memory ledger pp_rank %d tp_rank %d] %s",
@@ -40,4 +43,3 @@ def log_memory_ledger(model: nn.Module, drafter=None) -> dict[str, int]:
         get_tp_group().rank_in_group,
         parts,
     )
-    return ledger

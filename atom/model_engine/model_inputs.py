@@ -68,12 +68,12 @@ def _check_work(work: SeqWork, block_size: int) -> None:
 
 
 def build_step(
-    seqs: list[SeqWork],
+    works: list[SeqWork],
     block_size: int,
     table_width: int | None = None,
     padding: SeqPadding | None = None,
 ) -> tuple[torch.Tensor, StepLayout]:
-    """(packed host buffer, layout) of one forward over `seqs`.
+    """(packed host buffer, layout) of one forward over `works`.
 
     Block tables are padded with block 0 (masked, never written) to the longest
     table, or to `table_width` blocks when a captured graph fixes the width.
@@ -81,18 +81,18 @@ def build_step(
     """
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
-    if not seqs:
+    if not works:
         raise ValueError("a forward needs at least one sequence")
-    for work in seqs:
+    for work in works:
         _check_work(work, block_size)
-    token_ids = [t for work in seqs for t in work.token_ids]
-    lengths = [work.num_rows for work in seqs]
-    context_lens = [work.context_len for work in seqs]
-    state_slots = [work.state_slot for work in seqs]
-    tables = [work.block_table for work in seqs]
+    token_ids = [t for work in works for t in work.token_ids]
+    lengths = [work.num_rows for work in works]
+    context_lens = [work.context_len for work in works]
+    state_slots = [work.state_slot for work in works]
+    tables = [work.block_table for work in works]
     num_real_rows = len(token_ids)
     if padding is not None:
-        extra = padding.num_seqs - len(seqs)
+        extra = padding.num_seqs - len(works)
         if extra < 0 or len(set(lengths)) != 1:
             raise ValueError(
                 f"padding to {padding.num_seqs} sequences needs at most that many "
@@ -149,8 +149,8 @@ def build_step(
         num_tokens=num_tokens,
         max_query_len=max_query_len,
         uniform=uniform,
-        all_fresh=all(work.context_len == 0 for work in seqs),
-        keeps_row_states=any(work.num_spec_tokens for work in seqs),
+        all_fresh=all(work.context_len == 0 for work in works),
+        keeps_row_states=any(work.num_spec_tokens for work in works),
         fields=tuple((name, tuple(t.shape)) for name, t in named.items()),
     )
     return torch.cat([t.reshape(-1) for t in named.values()]), layout
@@ -188,7 +188,7 @@ def view_step(
 
 
 def prepare_inputs(
-    seqs: list[SeqWork],
+    works: list[SeqWork],
     block_size: int,
     device: torch.device | str,
     table_width: int | None = None,
@@ -196,5 +196,5 @@ def prepare_inputs(
 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     """(input_ids [N], positions [N], metadata) with sequences as consecutive rows,
     on `device` after one host-to-device copy."""
-    packed, layout = build_step(seqs, block_size, table_width, padding)
+    packed, layout = build_step(works, block_size, table_width, padding)
     return view_step(packed.to(device), layout)

@@ -20,14 +20,15 @@ from atom.distributed.pp_comm import recv_tensor_dict, send_tensor_dict
 from atom.model_engine.batch import BatchOutput, ScheduledBatch, SeqWork
 from atom.model_engine.cache_engine import CacheEngine
 from atom.model_engine.cuda_graph import DecodeGraphs, capture_sizes
-from atom.model_engine.memory_ledger import log_memory_ledger
+from atom.model_engine.memory_ledger import log_memory_ledger, memory_ledger
 from atom.model_engine.model_inputs import prepare_inputs
 from atom.model_engine.step_sampler import StepSampler
-from atom.model_loader.loader import load_weights
+from atom.model_loader.build import building_on, load_target
 from atom.model_ops.sampling_metadata import SamplingMetadata
-from atom.models.registry import check_pp_support, draft_tap_ids, get_model_class
+from atom.models.registry import check_pp_support, draft_tap_ids
 from atom.models.utils import IntermediateTensors, language_model_of
 from atom.spec_decode.drafter import Drafter
+from atom.spec_decode.factory import build_drafter
 from atom.spec_decode.pp_aux_relay import AUX_KEY, PPAuxRelay
 from atom.utils.forward_context import ForwardContext, set_forward_context
 
@@ -41,43 +42,31 @@ class ModelRunner:
     def __init__(self, config: Config, device: torch.device) -> None:
         check_pp_support(config)
         self.config = config
+        self.limits = config.limits
         self.device = device
         self.dtype = config.torch_dtype
         self.pp = get_pp_group()
         self.is_last_stage = self.pp.is_last_rank
         self.is_first_stage = self.pp.is_first_rank
-        self.model = self._build_model()
+        self.model, self.load_report = load_target(config, device)
         self.drafter = self._build_drafter()
         self.relay = self._build_relay()
-        proposer = self.drafter if self.drafter and self.drafter.will_propose else None
-        self.step_sampler = StepSampler(proposer)
+        # No proposer without speculation or on a context-only producer.
+        self.proposer = (
+            self.drafter if self.drafter and self.drafter.will_propose else None
+        )
+        self.step_sampler = StepSampler(self.proposer)
         self.cache: CacheEngine | None = None
         self.graphs: DecodeGraphs | None = None
-        self.memory_ledger = log_memory_ledger(self.model, self.drafter)
-
-    def _build_model(self) -> torch.nn.Module:
-        cls = get_model_class(self.config.hf_config.architecture)
-        saved = torch.get_default_dtype()
-        torch.set_default_dtype(self.dtype)
-        try:
-            with torch.device(self.device):
-                model = cls(self.config)
-        finally:
-            torch.set_default_dtype(saved)
-        self.load_report = load_weights(model, self.config.model)
-        return model.eval()
+        self.memory_ledger = memory_ledger(self.model, self.drafter)
+        log_memory_ledger(self.memory_ledger)
 
     def _build_drafter(self) -> Drafter | None:
         if self.config.speculative_config is None or not self.is_last_stage:
             return None
-        drafter = Drafter(self.config)
-        saved = torch.get_default_dtype()
-        torch.set_default_dtype(self.dtype)
-        try:
-            with torch.device(self.device):
-                drafter.load_model(self.model)
-        finally:
-            torch.set_default_dtype(saved)
+        drafter = build_drafter(self.config)
+        with building_on(self.device, self.dtype):
+            drafter.load_model(self.model)
         return drafter
 
     def _build_relay(self) -> PPAuxRelay | None:
@@ -100,48 +89,39 @@ class ModelRunner:
     def cache_modules(self) -> list[torch.nn.Module]:
         return [self.model] + ([self.drafter.model] if self.drafter else [])
 
-    def num_state_slots(self, num_checkpoints: int) -> int:
-        return self.config.max_num_seqs + num_checkpoints
-
-    def max_kv_blocks(self, num_checkpoints: int) -> int:
+    def max_kv_blocks(self) -> int:
         """KV blocks this rank can hold; the engine takes the minimum over ranks."""
         if self.config.num_kvcache_blocks:
             return self.config.num_kvcache_blocks
-        probe = CacheEngine(
-            self.cache_modules(),
-            0,
-            self.config.block_size,
-            0,
-            0,
-            self.device,
-            self.dtype,
-        )
+        limits = self.limits
+        probe = self._cache_engine(num_blocks=0, num_state_slots=0)
         per_block = max(probe.kv_bytes_per_block(), 1)
-        state = probe.state_bytes_per_slot() * self.num_state_slots(num_checkpoints)
+        state = probe.state_bytes_per_slot() * limits.num_state_slots
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = int(free * self.config.gpu_memory_utilization) - state
         else:
             budget = CPU_KV_BUDGET_BYTES - state
-        # A sequence may hold positions up to max_model_len - 2 + T (the drafter's
-        # block rows), as the scheduler's worst case assumes.
-        longest = self.config.max_model_len - 1 + self.config.num_speculative_rows
-        wanted = self.config.max_num_seqs * -(-longest // self.config.block_size)
+        wanted = limits.max_num_seqs * limits.max_blocks_per_seq
         return max(1, min(wanted, budget // per_block))
 
-    def allocate_caches(self, num_blocks: int, num_checkpoints: int) -> None:
-        spec_rows = self.config.num_speculative_rows
-        self.cache = CacheEngine(
+    def allocate_caches(self, num_blocks: int) -> None:
+        self.cache = self._cache_engine(num_blocks, self.limits.num_state_slots)
+        if self._can_capture_graphs():
+            self.graphs = self._capture_graphs()
+
+    def _cache_engine(self, num_blocks: int, num_state_slots: int) -> CacheEngine:
+        # A verify keeps the state after each of its T + 1 rows.
+        num_spec = self.limits.num_speculative_tokens
+        return CacheEngine(
             self.cache_modules(),
             num_blocks,
-            self.config.block_size,
-            self.num_state_slots(num_checkpoints),
-            spec_rows + 1 if spec_rows else 0,
+            self.limits.block_size,
+            num_state_slots,
+            num_spec + 1 if num_spec else 0,
             self.device,
             self.dtype,
         )
-        if self._can_capture_graphs():
-            self.graphs = self._capture_graphs()
 
     def _can_capture_graphs(self) -> bool:
         if self.device.type != "cuda" or self.config.enforce_eager:
@@ -164,19 +144,18 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _capture_graphs(self) -> DecodeGraphs:
-        spec_rows = self.config.num_speculative_rows
+        num_spec = self.limits.num_speculative_tokens
         sizes = capture_sizes(
-            self.config.cudagraph_capture_sizes, self.config.max_num_seqs
+            self.config.cudagraph_capture_sizes, self.limits.max_num_seqs
         )
-        longest = self.config.max_model_len - 1 + spec_rows
-        table_width = -(-longest // self.config.block_size)
-        if self.drafter is not None and self.drafter.will_propose:
-            self.drafter.capture_graphs(sizes, table_width)
+        table_width = self.limits.max_blocks_per_seq
+        if self.proposer is not None:
+            self.proposer.capture_graphs(sizes, table_width)
         return DecodeGraphs(
             self.model,
             sizes,
-            [1, spec_rows + 1] if spec_rows else [1],
-            self.config.block_size,
+            [1, num_spec + 1] if num_spec else [1],
+            self.limits.block_size,
             table_width,
             (self.cache.scratch_kv_slot, self.cache.scratch_state_slot),
             self.is_first_stage,
@@ -190,7 +169,7 @@ class ModelRunner:
             [slot for slot, _ in batch.spec_commits],
             [rows for _, rows in batch.spec_commits],
         )
-        forks = [work for work in batch.seqs if work.state_fork_src is not None]
+        forks = [work for work in batch.work if work.state_fork_src is not None]
         self.cache.copy_states(
             [work.state_fork_src for work in forks], [work.state_slot for work in forks]
         )
@@ -201,8 +180,8 @@ class ModelRunner:
             payload = recv_tensor_dict(self.device, self._expected_keys(num_tokens))
             taps_in = payload.pop(AUX_KEY, None)
             received = IntermediateTensors(payload)
-        out, positions, slot_mapping = self._forward(batch.seqs, received)
-        saves = [work for work in batch.seqs if work.state_save_dst is not None]
+        out, positions, slot_mapping = self._forward(batch.work, received)
+        saves = [work for work in batch.work if work.state_save_dst is not None]
         self.cache.copy_states(
             [work.state_slot for work in saves], [work.state_save_dst for work in saves]
         )
@@ -214,18 +193,18 @@ class ModelRunner:
                     payload[AUX_KEY] = packed
             send_tensor_dict(payload)
             return None
-        return self._finish_on_last_stage(batch, out, positions, slot_mapping, taps_in)
+        return self._sample_and_draft(batch, out, positions, slot_mapping, taps_in)
 
     def _forward(
-        self, seqs: list[SeqWork], received: IntermediateTensors | None
+        self, works: list[SeqWork], received: IntermediateTensors | None
     ) -> tuple[torch.Tensor | IntermediateTensors, torch.Tensor, torch.Tensor]:
         """(stage output, positions, slot mapping) of the batch's rows: a captured
         graph replays decode batches it covers, everything else runs eagerly."""
-        key = self.graphs.size_for(seqs) if self.graphs is not None else None
+        key = self.graphs.size_for(works) if self.graphs is not None else None
         if key is not None:
-            return self.graphs.run(key, seqs, received)
+            return self.graphs.run(key, works, received)
         input_ids, positions, metadata = prepare_inputs(
-            seqs, self.config.block_size, self.device
+            works, self.limits.block_size, self.device
         )
         with set_forward_context(ForwardContext(metadata)):
             out = self.model(input_ids, positions, received)
@@ -241,17 +220,27 @@ class ModelRunner:
             keys.add(AUX_KEY)
         return keys
 
-    def _finish_on_last_stage(
-        self, batch, hidden, positions, slot_mapping, taps_in
+    def _sample_and_draft(
+        self,
+        batch: ScheduledBatch,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        taps_in: torch.Tensor | None,
     ) -> BatchOutput | None:
+        """Last stage: write the draft's context for this forward's rows; when the
+        batch samples, choose each sampled sequence's tokens and next drafts."""
         num_tokens = positions.numel()
         if self.drafter is not None:
+            relayed = None
             if self.relay is not None:
-                self.relay.absorb(taps_in, self.drafter.tap_buffers, num_tokens)
-            self.drafter.precompute_context_kv(positions, slot_mapping, num_tokens)
+                relayed = self.relay.unpack(taps_in, num_tokens)
+            self.drafter.precompute_context_kv(
+                positions, slot_mapping, num_tokens, relayed
+            )
         if not batch.produces_output:
             return None
-        sampling = SamplingMetadata.from_works(batch.seqs, self.device)
+        sampling = SamplingMetadata.from_works(batch.work, self.device)
         logits = self.model.compute_logits(hidden[sampling.logit_rows])
         choices = self.step_sampler.step(logits, sampling)
-        return BatchOutput.from_choices(batch.batch_id, choices)
+        return BatchOutput(batch.batch_id, choices)

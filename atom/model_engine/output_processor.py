@@ -54,9 +54,7 @@ class OutputProcessor:
         self.request_of_seq: dict[int, str] = {}
 
     def add(self, seq: Sequence) -> None:
-        stop = seq.sampling_params.stop
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
-        self.requests[seq.request_id] = _Detok(seq, stops)
+        self.requests[seq.request_id] = _Detok(seq, seq.sampling_params.stop_strings)
         self.request_of_seq[seq.seq_id] = seq.request_id
 
     def drop(self, request_id: str) -> None:

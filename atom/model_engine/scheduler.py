@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from atom.model_engine.batch import BatchOutput, ScheduledBatch, SeqWork
 from atom.model_engine.block_manager import BlockManager
@@ -23,79 +24,36 @@ from atom.model_engine.sequence import Sequence, SequenceStatus
 from atom.model_engine.state_cache import StateCheckpointPool, StateSlotAllocator
 from atom.spec_decode.metrics import SpecDecodeStats
 
+if TYPE_CHECKING:
+    from atom.config import EngineLimits
+
 
 class Scheduler:
     def __init__(
         self,
-        *,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
-        max_model_len: int,
-        block_size: int,
+        limits: EngineLimits,
         num_kv_blocks: int,
-        enable_prefix_caching: bool = True,
-        enable_chunked_prefill: bool = True,
         has_recurrent_state: bool = False,
-        num_speculative_tokens: int = 0,
         eos_token_id: int | Iterable[int] | None = None,
-        num_state_checkpoints: int = 0,
     ) -> None:
-        sizes = dict(
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len, block_size=block_size,
-            num_kv_blocks=num_kv_blocks,
-        )  # fmt: skip
-        for name, value in sizes.items():
-            if value < 1:
-                raise ValueError(f"Scheduler: {name} must be >= 1, got {value}")
-        if num_speculative_tokens < 0 or num_state_checkpoints < 0:
-            raise ValueError(
-                "Scheduler: num_speculative_tokens and num_state_checkpoints must be "
-                f">= 0, got {num_speculative_tokens} and {num_state_checkpoints}"
-            )
-        if max_num_batched_tokens < num_speculative_tokens + 1:
-            raise ValueError(
-                f"Scheduler: max_num_batched_tokens={max_num_batched_tokens} cannot "
-                f"hold one verify of {num_speculative_tokens + 1} rows"
-            )
-        if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
-            raise ValueError(
-                f"Scheduler: without chunked prefill max_num_batched_tokens="
-                f"{max_num_batched_tokens} must be >= max_model_len={max_model_len}"
-            )
-        # Drafter block rows sit after the last verify row, so a sequence may hold
-        # positions up to max_model_len - 2 + T.
-        worst_blocks = -(-(max_model_len - 1 + num_speculative_tokens) // block_size)
-        if worst_blocks > num_kv_blocks:
-            raise ValueError(
-                f"Scheduler: one sequence of max_model_len={max_model_len} needs "
-                f"{worst_blocks} KV blocks of {block_size} tokens but the cache has "
-                f"{num_kv_blocks}; lower max_model_len or give the cache more memory"
-            )
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_model_len = max_model_len
-        self.block_size = block_size
-        self.enable_chunked_prefill = enable_chunked_prefill
+        limits.check_kv_blocks(num_kv_blocks)
+        self.limits = limits
         self.has_recurrent_state = has_recurrent_state
-        self.num_speculative_tokens = num_speculative_tokens
         eos = [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id
         self.eos_token_ids = frozenset(eos or ())
 
-        checkpointing = has_recurrent_state and enable_prefix_caching
-        self.checkpoints = StateCheckpointPool(
-            max_num_seqs, num_state_checkpoints if checkpointing else 0
-        )
+        # A model without recurrent state resumes any cached prefix from its KV alone.
+        num_checkpoints = limits.num_state_checkpoints if has_recurrent_state else 0
+        self.checkpoints = StateCheckpointPool(limits.max_num_seqs, num_checkpoints)
         self.block_manager = BlockManager(
             num_kv_blocks,
-            block_size,
-            enable_prefix_caching,
+            limits.block_size,
+            limits.enable_prefix_caching,
             on_hash_evicted=self.checkpoints.invalidate,
         )
-        self.state_slots = StateSlotAllocator(max_num_seqs)
-        self.spec_stats = (
-            SpecDecodeStats(num_speculative_tokens) if num_speculative_tokens else None
-        )
+        self.state_slots = StateSlotAllocator(limits.max_num_seqs)
+        num_spec = limits.num_speculative_tokens
+        self.spec_stats = SpecDecodeStats(num_spec) if num_spec else None
 
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -108,21 +66,16 @@ class Scheduler:
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
 
-    @property
-    def num_state_slots(self) -> int:
-        """Request slots 0..max_num_seqs-1, then the checkpoint slots."""
-        return self.max_num_seqs + self.checkpoints.num_slots
-
     # ---- requests ----
     def add(self, seq: Sequence) -> None:
         if seq.status is not SequenceStatus.WAITING or seq.seq_id in self._live:
             raise ValueError(f"sequence {seq.seq_id} was already added")
         if seq.request_id in self._by_request:
             raise ValueError(f"request id {seq.request_id!r} is already in use")
-        if seq.num_tokens >= self.max_model_len:
+        if seq.num_tokens >= self.limits.max_model_len:
             raise ValueError(
                 f"prompt of {seq.num_tokens} tokens leaves no room to generate "
-                f"within max_model_len={self.max_model_len}"
+                f"within max_model_len={self.limits.max_model_len}"
             )
         self.waiting.append(seq)
         self._live[seq.seq_id] = seq
@@ -163,7 +116,7 @@ class Scheduler:
             return None
         batch = ScheduledBatch(
             batch_id=self._next_batch_id,
-            seqs=works,
+            work=works,
             spec_commits=list(self._pending_commits.values()),
             finished_seq_ids=self._pending_finished,
         )
@@ -176,7 +129,7 @@ class Scheduler:
         return batch
 
     def _schedule_prefill(self) -> list[SeqWork]:
-        budget = self.max_num_batched_tokens
+        budget = self.limits.max_num_batched_tokens
         works: list[SeqWork] = []
         for seq in self.running:
             if budget == 0:
@@ -186,7 +139,8 @@ class Scheduler:
                 if work is not None:
                     works.append(work)
                     budget -= work.num_rows
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        max_num_seqs = self.limits.max_num_seqs
+        while self.waiting and budget > 0 and len(self.running) < max_num_seqs:
             seq = self.waiting[0]
             if not self._admit(seq, budget):
                 break
@@ -207,10 +161,10 @@ class Scheduler:
         if not self.state_slots.can_allocate():
             return False
         num_cached_blocks, fork_src = self._usable_prefix(seq)
-        if self._chunk_plan(seq, num_cached_blocks * self.block_size, budget) is None:
-            return False
         bm = self.block_manager
-        lookahead = self.num_speculative_tokens
+        if self._chunk_plan(seq, num_cached_blocks * bm.block_size, budget) is None:
+            return False
+        lookahead = self.limits.num_speculative_tokens
         if not bm.can_allocate(seq, num_cached_blocks, lookahead):
             return False
         bm.allocate(seq, num_cached_blocks, lookahead)
@@ -242,15 +196,14 @@ class Scheduler:
         if self.checkpoints.num_slots:
             # The state at the prompt's last full-block boundary makes the next
             # request with this prefix resumable, so a chunk ends exactly there.
-            boundary = seq.num_prompt_tokens // self.block_size * self.block_size
+            num_blocks = seq.num_prompt_tokens // self.block_manager.block_size
+            boundary = num_blocks * self.block_manager.block_size
             if boundary > start:
-                block_hash = self.block_manager.block_hash(
-                    seq, boundary // self.block_size - 1
-                )
+                block_hash = self.block_manager.block_hash(seq, num_blocks - 1)
                 if block_hash not in self.checkpoints:
                     end, save_hash = boundary, block_hash
         if end - start > budget:
-            if not self.enable_chunked_prefill:
+            if not self.limits.enable_chunked_prefill:
                 return None
             end, save_hash = start + budget, None
         return end, save_hash
@@ -265,12 +218,16 @@ class Scheduler:
         fork_src, seq.state_fork_src = seq.state_fork_src, None
         seq.num_computed_tokens = end
         return self._work(
-            seq, seq.token_ids[start:end], start, end == seq.num_tokens, 0,
-            fork_src, save_dst,
-        )  # fmt: skip
+            seq,
+            token_ids=seq.token_ids[start:end],
+            context_len=start,
+            sample=end == seq.num_tokens,
+            state_fork_src=fork_src,
+            state_save_dst=save_dst,
+        )
 
     def _schedule_decode(self) -> list[SeqWork]:
-        budget = self.max_num_batched_tokens
+        budget = self.limits.max_num_batched_tokens
         works: list[SeqWork] = []
         scheduled: set[int] = set()
         for seq in [s for s in self.running if s.num_uncomputed_tokens == 1]:
@@ -284,24 +241,28 @@ class Scheduler:
             start = seq.num_computed_tokens
             seq.num_computed_tokens += 1
             rows = [seq.last_token] + seq.spec_token_ids[:num_spec]
-            works.append(self._work(seq, rows, start, True, num_spec))
+            works.append(
+                self._work(
+                    seq, token_ids=rows, context_len=start, num_spec_tokens=num_spec
+                )
+            )
             scheduled.add(seq.seq_id)
             budget -= len(rows)
         return works
 
     def _num_verify_tokens(self, seq: Sequence) -> int:
         """T_eff: drafts to verify without passing max_tokens or max_model_len."""
-        if not self.num_speculative_tokens:
+        if not self.limits.num_speculative_tokens:
             return 0
         remaining = seq.sampling_params.max_tokens - seq.num_output_tokens
-        room = self.max_model_len - seq.num_tokens
-        limit = min(self.num_speculative_tokens, len(seq.spec_token_ids))
+        room = self.limits.max_model_len - seq.num_tokens
+        limit = min(self.limits.num_speculative_tokens, len(seq.spec_token_ids))
         return max(0, min(limit, remaining - 1, room - 1))
 
     def _make_room(self, seq: Sequence, num_spec: int, taken: set[int]) -> bool:
         """Blocks for the verify rows and the drafter's block rows, preempting the
         latest admitted sequences if needed; False if seq itself was preempted."""
-        num_new = num_spec + self.num_speculative_tokens
+        num_new = num_spec + self.limits.num_speculative_tokens
         while not self.block_manager.can_append(seq, num_new):
             victims = [
                 s for s in self.running if s is not seq and s.seq_id not in taken
@@ -332,29 +293,27 @@ class Scheduler:
         seq.in_flight_batch_id = None
         self._pending_commits.pop(seq.seq_id, None)
 
-    def _work(
-        self,
-        seq: Sequence,
-        token_ids: list[int],
-        context_len: int,
-        sample: bool,
-        num_spec_tokens: int,
-        state_fork_src: int | None = None,
-        state_save_dst: int | None = None,
-    ) -> SeqWork:
+    @staticmethod
+    def _work(seq: Sequence, **rows) -> SeqWork:
+        """The sequence's SeqWork: its rows (`rows`) with its table, slot and sampling."""
         sp = seq.sampling_params
         return SeqWork(
-            seq.seq_id, token_ids, context_len, list(seq.block_table), seq.state_slot,
-            sample, num_spec_tokens, sp.temperature, sp.top_k, sp.top_p, sp.seed,
-            state_fork_src, state_save_dst,
-        )  # fmt: skip
+            seq_id=seq.seq_id,
+            block_table=list(seq.block_table),
+            state_slot=seq.state_slot,
+            temperature=sp.temperature,
+            top_k=sp.top_k,
+            top_p=sp.top_p,
+            seed=sp.seed,
+            **rows,
+        )
 
     # ---- results ----
     def postprocess(
         self, batch: ScheduledBatch, output: BatchOutput | None
     ) -> list[Sequence]:
         """Apply one batch's output; returns the sequences that finished."""
-        works = [work for work in batch.seqs if work.sample]
+        works = [work for work in batch.work if work.sample]
         if output is None:
             if works:
                 raise RuntimeError(
@@ -362,11 +321,10 @@ class Scheduler:
                     f"{batch.sample_seq_ids} but was postprocessed without a BatchOutput"
                 )
             return []
-        output.check_against(batch, self.num_speculative_tokens)
+        output.check_against(batch, self.limits.num_speculative_tokens)
         finished = []
-        for work, tokens, accepted, drafts in zip(
-            works, output.token_ids, output.num_accepted, output.draft_token_ids
-        ):
+        for work, choice in zip(works, output.choices):
+            accepted = choice.num_accepted
             seq = self._live.get(work.seq_id)
             if seq is None or seq.in_flight_batch_id != batch.batch_id:
                 continue  # aborted or preempted while the batch ran
@@ -376,13 +334,15 @@ class Scheduler:
                 self.spec_stats.record(work.num_spec_tokens, accepted)
             seq.num_computed_tokens += accepted
             num_before = seq.num_tokens
-            reason = seq.append_tokens(tokens, self.eos_token_ids, self.max_model_len)
+            reason = seq.append_tokens(
+                choice.token_ids, self.eos_token_ids, self.limits.max_model_len
+            )
             self.num_generation_tokens += seq.num_tokens - num_before
             if reason is not None:
                 self._finish(seq, reason)
                 finished.append(seq)
                 continue
-            seq.spec_token_ids = list(drafts)
+            seq.spec_token_ids = list(choice.draft_token_ids)
             if work.num_spec_tokens:
                 self._pending_commits[seq.seq_id] = (seq.state_slot, accepted + 1)
         return finished

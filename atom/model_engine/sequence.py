@@ -103,9 +103,6 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
-    def append_token(self, token_id: int) -> None:
-        self.token_ids.append(token_id)
-
     def append_tokens(
         self, tokens: list[int], eos_token_ids: frozenset[int], max_model_len: int
     ) -> str | None:

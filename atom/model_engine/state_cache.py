@@ -20,10 +20,6 @@ class StateSlotAllocator:
         self._free: deque[int] = deque(range(num_request_slots))
         self._used: set[int] = set()
 
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
     def can_allocate(self) -> bool:
         return bool(self._free)
 

@@ -87,25 +87,23 @@ def rank_device(config: Config, rank: int) -> torch.device:
 
 def choose_backend(config: Config) -> str:
     """NCCL when every rank has its own GPU; gloo on CPU or when ranks share a GPU."""
-    if config.parallel_config.backend:
-        return config.parallel_config.backend
     world = config.parallel_config.world_size
     if config.torch_device.type == "cuda" and world <= torch.cuda.device_count():
         return "nccl"
     return "gloo"
 
 
-def start_runner(config: Config, device: torch.device, num_checkpoints: int):
+def start_runner(config: Config, device: torch.device):
     """Build this rank's runner and agree on the KV block count (min over ranks)."""
     runner = ModelRunner(config, device)
-    blocks = runner.max_kv_blocks(num_checkpoints)
+    blocks = runner.max_kv_blocks()
     if dist.is_initialized():
         agreed = torch.tensor([blocks], dtype=torch.long)
         if dist.get_backend() == "nccl":
             agreed = agreed.to(device)
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
         blocks = int(agreed.item())
-    runner.allocate_caches(blocks, num_checkpoints)
+    runner.allocate_caches(blocks)
     reports = [rank_report(runner)]
     if dist.is_initialized():
         # Small objects over the world group, so rank 0's ready message covers all.
@@ -119,7 +117,6 @@ def worker_main(
     rank: int,
     master_port: int,
     backend: str,
-    num_checkpoints: int,
     parent_pid: int,
     tasks: mp.Queue,
     results: mp.Queue,
@@ -131,16 +128,14 @@ def worker_main(
         device = rank_device(config, rank)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        config.parallel_config.rank = rank
-        parallel = config.parallel_config
         init_distributed(
-            parallel.tensor_parallel_size,
-            parallel.pipeline_parallel_size,
+            config.tensor_parallel_size,
+            config.pipeline_parallel_size,
             rank,
             backend,
             master_port,
         )
-        runner, info = start_runner(config, device, num_checkpoints)
+        runner, info = start_runner(config, device)
         reports = get_pp_group().is_last_rank and get_tp_group().is_first_rank
         if rank == 0:
             results.put(("ready", info))
@@ -160,10 +155,9 @@ def worker_main(
 class WorkerGroup:
     """The engine's handle on its rank processes."""
 
-    def __init__(self, config: Config, num_checkpoints: int) -> None:
+    def __init__(self, config: Config) -> None:
         ctx = mp.get_context("spawn")
-        parallel = config.parallel_config
-        self.tp_size = parallel.tensor_parallel_size
+        self.parallel = parallel = config.parallel_config
         master_port = free_port()
         backend = choose_backend(config)
         self.results: mp.Queue = ctx.Queue()
@@ -176,7 +170,6 @@ class WorkerGroup:
                     rank,
                     master_port,
                     backend,
-                    num_checkpoints,
                     os.getpid(),
                     q,
                     self.results,
@@ -235,7 +228,9 @@ class WorkerGroup:
                 continue
             if msg[0] == "error":
                 _, rank, tb = msg
-                failed = f"rank {rank} ({self._where(rank)}) failed:\n{tb}"
+                failed = (
+                    f"rank {rank} ({self.parallel.describe_rank(rank)}) failed:\n{tb}"
+                )
                 # A killed rank breaks its peers' send/recv first: name the cause.
                 crashed = self._crashed_rank()
                 self.close()
@@ -244,16 +239,13 @@ class WorkerGroup:
                 raise RuntimeError(failed)
             return msg
 
-    def _where(self, rank: int) -> str:
-        return f"pp_rank {rank // self.tp_size}, tp_rank {rank % self.tp_size}"
-
     def _exited_rank(self, crashed_only: bool = False) -> str | None:
         """The first rank that is gone, or None; `crashed_only` skips ranks that
         returned (code 0), as a rank does after reporting its own error."""
         for rank, proc in enumerate(self.procs):
             if proc.is_alive() or (crashed_only and proc.exitcode == 0):
                 continue
-            return f"rank {rank} ({self._where(rank)}) exited with code {proc.exitcode}"
+            return f"rank {rank} ({self.parallel.describe_rank(rank)}) exited with code {proc.exitcode}"
         return None
 
     def _crashed_rank(self, grace_s: float = 0.5) -> str | None:
@@ -299,13 +291,13 @@ class WorkerGroup:
 class InProcessWorker:
     """A single rank run inside the engine process (tp = pp = 1), as nano-vllm does."""
 
-    def __init__(self, config: Config, num_checkpoints: int) -> None:
+    def __init__(self, config: Config) -> None:
         device = rank_device(config, 0)
         if device.type == "cpu":
             # Like the rank processes: the ops of a CPU-served model are small, and
             # OpenMP threads spinning on them cost far more than they parallelise.
             torch.set_num_threads(1)
-        self.runner, self.info = start_runner(config, device, num_checkpoints)
+        self.runner, self.info = start_runner(config, device)
         self.outputs: list[BatchOutput] = []
 
     def submit(self, batch: ScheduledBatch) -> None:

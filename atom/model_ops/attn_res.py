@@ -1,4 +1,4 @@
-"""Attention Residuals (AttnRes) mix, spec 4.2 (arXiv 2603.15031).
+"""Attention Residuals (AttnRes) mix (arXiv 2603.15031; docs/kimi_k3.md).
 
 A softmax over the closed blocks and the current partial sum, scored by a learned
 projection of each RMS-normalised candidate, replaces the residual stream in K3.

@@ -1,4 +1,4 @@
-"""Top-k expert selection (noaux_tc, spec 4.5).
+"""Top-k expert selection (noaux_tc; docs/kimi_k3.md, MoE).
 
 Sigmoid (or softmax) scores pick experts after adding the load-balancing correction
 bias; the mixing weights are the unbiased scores.

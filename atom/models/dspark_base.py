@@ -1,9 +1,9 @@
-"""What every DSpark-style draft shares: the target's embedding and LM head, and the
-Markov head.
+"""What every DSpark draft shares: the target's embedding and LM head, the layer, the
+context rows, the block pass and the Markov head.
 
 A DSpark draft was trained against the frozen target table and has no LM head of its
 own, so after its weights load it binds the target's `embed_tokens` and `lm_head` by
-object reference (pp_dspark.md section 4). The bound modules stay *outside* the
+object reference (docs/pp_dspark.md, "Binding"). The bound modules stay *outside* the
 draft's module tree: `draft.parameters()`, `state_dict()` and the loader's accounting
 see only the draft's own weights, the memory ledger does not count the table twice,
 and `.to()` on the target moves the shared modules in place (the draft keeps pointing
@@ -12,11 +12,18 @@ at the same module objects). The target owns them; the draft never moves or load
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 from torch import nn
 
+from atom.model_ops.activation import SiluAndMul
+from atom.model_ops.gated_mlp import GatedMLP
+from atom.model_ops.layernorm import RMSNorm
 from atom.model_ops.linear import ReplicatedLinear
 from atom.models.utils import PPMissingLayer
+from atom.utils.forward_context import ForwardContext, set_forward_context
 
 
 def target_vocab_size(target_base: nn.Module) -> int:
@@ -104,3 +111,155 @@ class MarkovHead(nn.Module):
         """[B] previous tokens -> [B, V] fp32 logit bias."""
         w1 = self.markov_w1.weight[prev_ids].float()
         return w1 @ self.markov_w2.weight.float().t()
+
+
+class DraftAttention(nn.Module):
+    """Base of a draft's attention: its KV rows live in the target's paged pool.
+
+    The CacheEngine binds `kv_cache` [num_blocks, block_size, kv_cache_dim]; a
+    subclass sets `kv_cache_dim` (the width of its cache rows) and reaches the
+    cache through `cache()`.
+    """
+
+    kv_cache_dim: int
+
+    def __init__(self, prefix: str) -> None:
+        super().__init__()
+        self.prefix = prefix
+        self.kv_cache: torch.Tensor | None = None
+
+    def cache(self) -> torch.Tensor:
+        if self.kv_cache is None:
+            raise RuntimeError(
+                f"draft attention {self.prefix!r} has no KV cache; bind one with "
+                "CacheEngine before writing or reading context rows"
+            )
+        return self.kv_cache
+
+
+class DSparkLayer(nn.Module):
+    """Pre-norm attention (the draft's own kind) then a SiLU-gated MLP."""
+
+    def __init__(self, config: Any, self_attn: DraftAttention) -> None:
+        super().__init__()
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=eps)
+        self.self_attn = self_attn
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=eps)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, SiluAndMul())
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+    ) -> torch.Tensor:
+        h = h + self.self_attn(
+            self.input_layernorm(h), positions, block_tables, context_lens
+        )
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DSparkDraft(SharedEmbeddingDraft):
+    """A DSpark draft: context rows from the target's taps, a non-causal block pass
+    over [x0, m, ..., m] and the Markov head.
+
+    A subclass sets `config_class` and defines `build` (its context projection,
+    `self.layers` of DSparkLayer and its final norm), `project_context` (taps ->
+    context rows) and `output_norm` (the final norm).
+    """
+
+    config_class: type
+
+    def __init__(
+        self,
+        draft_config: Mapping[str, Any],
+        target_config: Mapping[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        config = self.config_class.from_hf(draft_config)
+        if target_config is not None:
+            config.validate_against_target(target_config)
+        self.config = config
+        self.vocab_size = config.vocab_size
+        self.tap_ids = list(config.target_layer_ids)
+        self.mask_token_id = config.mask_token_id
+        self.build(config)
+        self.markov_head = MarkovHead(config.vocab_size, config.markov_rank)
+
+    def build(self, config: Any) -> None:
+        raise NotImplementedError
+
+    def project_context(self, taps_concat: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    @property
+    def output_norm(self) -> nn.Module:
+        raise NotImplementedError
+
+    def write_context_kv(
+        self,
+        taps_concat: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """Write every draft layer's context rows for one target forward.
+
+        taps_concat [N, n_taps * H_target] in tap order; the projected context goes
+        straight into each layer's attention, without its input norm.
+        """
+        expected = self.config.num_taps * self.config.target_hidden_size
+        if taps_concat.dim() != 2 or taps_concat.shape[1] != expected:
+            raise ValueError(
+                f"taps_concat must be [N, {expected}], got {tuple(taps_concat.shape)}"
+            )
+        context = self.project_context(taps_concat)
+        for layer in self.layers:
+            layer.self_attn.write_context(context, positions, slot_mapping)
+
+    def block_forward(
+        self,
+        anchor_ids: torch.Tensor,
+        anchor_positions: torch.Tensor,
+        block_tables: torch.Tensor,
+        num_rows: int,
+    ) -> torch.Tensor:
+        """Base logits U [B, T, V] fp32 of the block [x0, m, ..., m].
+
+        anchor_positions[b] is the anchor's own position p+1 (p = the row whose
+        logits produced it); block rows sit at p+1..p+T and see context rows 0..p.
+        """
+        block_ids = anchor_ids.new_full(
+            (anchor_ids.shape[0], num_rows), self.mask_token_id
+        )
+        block_ids[:, 0] = anchor_ids
+        return self.forward_block_rows(block_ids, anchor_positions, block_tables)
+
+    def forward_block_rows(
+        self,
+        block_ids: torch.Tensor,
+        anchor_positions: torch.Tensor,
+        block_tables: torch.Tensor,
+    ) -> torch.Tensor:
+        """Logits [B, T, V] fp32 for explicit block inputs [B, T] (row 0 = anchor).
+
+        block_tables [B, W] must cover each sequence's context rows."""
+        if self.embed_tokens is None or self.lm_head is None:
+            raise RuntimeError(
+                "the draft has no embedding / LM head: call share_with_target first "
+                "(a context-only producer never proposes)"
+            )
+        num_seqs, width = block_ids.shape
+        offsets = torch.arange(width, device=block_ids.device)
+        positions = (anchor_positions.unsqueeze(1) + offsets).reshape(-1)
+        # is_draft: tap hooks on the shared embedding must not record the block.
+        with set_forward_context(ForwardContext(is_draft=True)):
+            h = self.embed_tokens(block_ids.reshape(-1))
+            for layer in self.layers:
+                h = layer(h, positions, block_tables, anchor_positions)
+            logits = self.lm_head.compute_logits(self.output_norm(h))
+        return logits.float().view(num_seqs, width, -1)
+
+    def markov_bias(self, prev_ids: torch.Tensor) -> torch.Tensor:
+        return self.markov_head.bias(prev_ids)

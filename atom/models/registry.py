@@ -1,6 +1,6 @@
 """Which class serves which checkpoint architecture, and what it supports under PP.
 
-Classes are named by import path and loaded lazily, so `import atom.config` stays light.
+Classes are named by import path and loaded lazily: reading the tables imports no model.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import importlib
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from atom.models.kimi_k3_dspark_config import DEFAULT_DRAFT_ARCHITECTURE
+from atom.models.kimi_k3.dspark_config import DEFAULT_DRAFT_ARCHITECTURE
 
 if TYPE_CHECKING:
     from torch import nn
@@ -40,8 +40,8 @@ TARGET_MODELS: dict[str, str] = {
 }
 
 DRAFT_MODELS: dict[str, str] = {
-    "K3DSparkModel": "atom.models.kimi_k3_dspark:KimiK3DSpark",
-    "Qwen3DSparkModel": "atom.models.qwen3_dspark:Qwen3DSpark",
+    "K3DSparkModel": "atom.models.kimi_k3.dspark:KimiK3DSpark",
+    "Qwen3DSparkModel": "atom.models.minimax_m3.dspark:Qwen3DSpark",
 }
 
 # Whether each speculative method's draft shares the target's embedding. Only sharing

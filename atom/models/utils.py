@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from atom.config import (
+    Config,
+    is_context_only_producer,
+    parse_partition,
+    validate_partition,
+)
 from atom.distributed.parallel_state import get_pp_group
-
-if TYPE_CHECKING:
-    from atom.config import Config
+from atom.models.registry import serves_pp_speculation
 
 PARTITION_ENV_VARS = ("ATOM_PP_LAYER_PARTITION", "VLLM_PP_LAYER_PARTITION")
 
@@ -29,29 +32,12 @@ class PPMissingLayer(nn.Identity):
         return (value,) if self.return_tuple else value
 
 
-def validate_partition(parts: list[int], num_layers: int, pp_size: int) -> None:
-    if len(parts) != pp_size:
-        raise ValueError(
-            f"pp layer partition {parts} has {len(parts)} entries, "
-            f"pipeline_parallel_size is {pp_size}"
-        )
-    if sum(parts) != num_layers:
-        raise ValueError(
-            f"pp layer partition {parts} sums to {sum(parts)}, "
-            f"the model has {num_layers} layers"
-        )
-    if min(parts) < 1:
-        raise ValueError(f"pp layer partition {parts} leaves a stage without layers")
-
-
 def _partition_override(partition: list[int] | None) -> list[int] | None:
     if partition is not None:
         return list(partition)
     for var in PARTITION_ENV_VARS:
         text = os.environ.get(var)
         if text:
-            from atom.config import parse_partition
-
             return parse_partition(text)
     return None
 
@@ -119,9 +105,6 @@ def pp_holds_embedding(config: Config) -> bool:
     the target's embedding runs there (the registry's `pp_speculative_methods`), and
     never on a context-only producer, which proposes nothing. Middle stages never do.
     """
-    from atom.config import is_context_only_producer
-    from atom.models.registry import serves_pp_speculation
-
     pp = get_pp_group()
     if pp.is_first_rank:
         return True

@@ -2,9 +2,8 @@
 
 Tap id k >= 0 is the output of decoder layer k as that layer defines it
 (`layer.aux_hidden_state(output)`, the post-layer residual stream); -1 is the
-embedding output. Forward hooks copy each target forward's rows into a preallocated
-[max_num_tokens, H] buffer at the forward context's token offset (micro-batches fill
-disjoint row ranges). They re-read `is_draft` on every call and write nothing during
+embedding output. Forward hooks copy each target forward's rows into the first rows
+of a preallocated [max_num_tokens, H] buffer. They re-read `is_draft` on every call and write nothing during
 draft forwards: the draft embeds its block with the shared target embedding.
 """
 
@@ -53,8 +52,7 @@ def tap_module(target_model: nn.Module, layer_id: int) -> nn.Module:
 
 
 def _record(buffer: torch.Tensor, rows: torch.Tensor, layer_id: int) -> None:
-    ctx = get_forward_context()
-    if ctx.is_draft:
+    if get_forward_context().is_draft:
         return
     rows = rows.reshape(-1, rows.shape[-1])
     if rows.shape[-1] != buffer.shape[-1]:
@@ -62,13 +60,12 @@ def _record(buffer: torch.Tensor, rows: torch.Tensor, layer_id: int) -> None:
             f"tap {layer_id} rows are {rows.shape[-1]} wide, its buffer "
             f"{buffer.shape[-1]}"
         )
-    start, end = ctx.token_offset, ctx.token_offset + rows.shape[0]
-    if end > buffer.shape[0]:
+    if rows.shape[0] > buffer.shape[0]:
         raise RuntimeError(
-            f"tap {layer_id}: rows {start}:{end} exceed its buffer of "
+            f"tap {layer_id}: {rows.shape[0]} rows exceed its buffer of "
             f"{buffer.shape[0]} rows (max_num_batched_tokens)"
         )
-    buffer[start:end].copy_(rows)
+    buffer[: rows.shape[0]].copy_(rows)
 
 
 class TapCapture:

@@ -1,75 +1,26 @@
-"""The DSpark drafter: builds and loads the draft on the last stage and drives it.
+"""What every drafter is to the engine: a model on the last stage that sees each
+target forward and proposes the next drafts of the step's sampled sequences.
 
-`load_model(target)`: build the draft class the registry names for the draft
-architecture, load it strictly, then (unless this is a context-only producer)
-bind the target's embedding and LM head and check that the bound table is real,
-and finally hook the target's resident taps. Per step the runner calls
-`precompute_context_kv` after every target forward, and the step sampler calls
-`propose` once it has chosen the step's tokens.
+`build_drafter` (factory.py) picks the class for the speculative method. Per step
+the runner calls `precompute_context_kv` after every target forward, and the step
+sampler calls `propose` once it has chosen the step's tokens.
 """
 
 from __future__ import annotations
 
-import logging
+from abc import ABC, abstractmethod
 
 import torch
 from torch import nn
 
 from atom.config import Config, is_context_only_producer
-from atom.distributed.parallel_state import get_pp_group, get_tp_group
-from atom.model_engine.cuda_graph import BlockPassGraphs
-from atom.model_loader.loader import LoadReport, load_weights, parameter_bytes
+from atom.model_loader.loader import LoadReport
 from atom.model_ops.sampling_metadata import SamplingMetadata
-from atom.models.registry import draft_architecture, get_draft_model_class
-from atom.models.utils import PPMissingLayer, language_model_of
-from atom.spec_decode.aux_capture import TapCapture, allocate_tap_buffers
 from atom.spec_decode.draft_output import DraftOutput
-from atom.spec_decode.markov_head import markov_decode
-from atom.spec_decode.pp_aux_relay import tap_is_resident
-
-logger = logging.getLogger(__name__)
-
-# How verified KDA state is rolled back (the cache engine's per-row snapshots).
-KDA_ROLLBACK_MODE = "per-row snapshots"
 
 
-def check_shared_embedding(draft: nn.Module, will_propose: bool = True) -> None:
-    """Refuse a draft whose bound embedding is a PP placeholder (or unbound).
-
-    Inspects `draft.shared_embedding_attr` (default "embed_tokens"); a draft that
-    binds its table under another name and declares nothing is skipped.
-    """
-    attr = getattr(draft, "shared_embedding_attr", "embed_tokens")
-    if not hasattr(draft, attr):
-        return
-    embedding = getattr(draft, attr)
-    if isinstance(embedding, PPMissingLayer):
-        raise TypeError(
-            f"the draft's shared {attr} is a PPMissingLayer on pp_rank "
-            f"{get_pp_group().rank_in_group}: this stage built no embedding, so the "
-            "draft would embed from an unloaded table. pp_holds_embedding must "
-            "return True on the last stage for every method that "
-            "pp_speculative_methods declares for the architecture"
-        )
-    if embedding is None:
-        if will_propose:
-            raise TypeError(
-                f"the draft's shared {attr} is None although the drafter will "
-                "propose; share_with_target must bind the target's embedding "
-                "(see pp_holds_embedding and pp_speculative_methods)"
-            )
-        return
-    vocab = getattr(embedding, "num_embeddings", None)
-    draft_vocab = getattr(draft, "vocab_size", None)
-    if vocab is not None and draft_vocab is not None and vocab != draft_vocab:
-        raise ValueError(
-            f"the draft's shared {attr} has {vocab} rows, the draft vocab_size is "
-            f"{draft_vocab}"
-        )
-
-
-class Drafter:
-    """Owns the draft model, its tap buffers and the tap hooks of one last stage."""
+class Drafter(ABC):
+    """Owns a draft model on one last-stage rank."""
 
     def __init__(self, config: Config) -> None:
         spec = config.speculative_config
@@ -77,142 +28,31 @@ class Drafter:
             raise ValueError(
                 "the drafter needs a speculative_config with a draft model"
             )
-        if not spec.use_dspark():
-            raise ValueError(
-                f"speculative method {spec.method!r} has no drafter here; only "
-                "'dspark' is implemented"
-            )
         self.config = config
-        self.draft_path = spec.model
-        self.draft_hf_config = spec.draft_hf_config
-        self.num_speculative_tokens = spec.num_speculative_tokens
+        self.num_speculative_tokens = config.num_speculative_tokens
+        # A P/D prefill node writes the draft's context for its decode node but
+        # never drafts itself.
         self.will_propose = not is_context_only_producer(config)
-        self.architecture = draft_architecture(self.draft_hf_config)
         self.model: nn.Module | None = None
         self.load_report: LoadReport | None = None
-        self.tap_ids: list[int] = []
-        self.resident_taps: list[int] = []
-        self.tap_buffers: list[torch.Tensor] = []
-        self.capture: TapCapture | None = None
-        self.block_graphs: BlockPassGraphs | None = None
-        self.own_parameter_bytes = 0
-        self.shared_parameter_bytes = 0
 
+    @abstractmethod
     def load_model(self, target: nn.Module) -> None:
-        """Build, load, bind to `target` (the full target model) and arm tap capture.
+        """Build and load the draft beside `target` (the full target model), under
+        the caller's default device and dtype."""
 
-        Build under the caller's default device and dtype, like the target.
-        """
-        draft_cls = get_draft_model_class(self.architecture)
-        draft = draft_cls(self.draft_hf_config, self.config.hf_config.text)
-        self.load_report = load_weights(draft, self.draft_path)
-        target_lm = language_model_of(target)
-        if self.will_propose:
-            draft.share_with_target(target_lm)
-            check_shared_embedding(draft)
-        else:
-            # A producer never embeds a block; the vocabulary must still match.
-            draft.validate_target_vocab(target_lm)
-        self.model = draft.eval()
-        self.own_parameter_bytes = parameter_bytes(draft)
-        self.shared_parameter_bytes = draft.shared_parameter_bytes()
-        self._arm_aux_capture(target_lm.model)
-        self._log_startup()
-
-    def _arm_aux_capture(self, target_base: nn.Module) -> None:
-        self.tap_ids = list(self.model.tap_ids)
-        # Tap buffers take the draft's device and dtype.
-        weight = next(self.model.parameters())
-        self.tap_buffers = allocate_tap_buffers(
-            len(self.tap_ids),
-            self.config.max_num_batched_tokens,
-            self.model.config.target_hidden_size,
-            weight.device,
-            weight.dtype,
-        )
-        # Non-resident taps (always -1 on a pp > 1 last stage) come via the relay.
-        self.resident_taps = [
-            t for t in self.tap_ids if tap_is_resident(target_base, t)
-        ]
-        buffers = {
-            t: self.tap_buffers[self.tap_ids.index(t)] for t in self.resident_taps
-        }
-        self.capture = TapCapture(target_base, buffers)
-
-    def _log_startup(self) -> None:
-        trained = getattr(self.model.config, "block_size", None)
-        if trained is not None and trained != self.num_speculative_tokens:
-            logger.warning(
-                "%s was trained on blocks of %d rows; drafting %d per step",
-                self.architecture,
-                trained,
-                self.num_speculative_tokens,
-            )
-        relayed = [t for t in self.tap_ids if t not in self.resident_taps]
-        sharing = (
-            "embedding + lm_head shared with the target"
-            if self.will_propose
-            else "not bound (context-only producer)"
-        )
-        logger.info(
-            "[drafter pp_rank %d tp_rank %d] %s: T=%d, taps %s (resident %s, relayed "
-            "%s), mask id %d, markov rank %d, %s, KDA rollback %s; draft parameters "
-            "own %.2f MiB, shared %.2f MiB (counted by the target)",
-            get_pp_group().rank_in_group,
-            get_tp_group().rank_in_group,
-            self.architecture,
-            self.num_speculative_tokens,
-            self.tap_ids,
-            self.resident_taps,
-            relayed,
-            self.model.mask_token_id,
-            self.model.config.markov_rank,
-            sharing,
-            KDA_ROLLBACK_MODE,
-            self.own_parameter_bytes / 2**20,
-            self.shared_parameter_bytes / 2**20,
-        )
-
-    @torch.inference_mode()
+    @abstractmethod
     def precompute_context_kv(
-        self, positions: torch.Tensor, slot_mapping: torch.Tensor, num_tokens: int
+        self,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        num_tokens: int,
+        relayed_taps: dict[int, torch.Tensor] | None = None,
     ) -> None:
-        """Write draft context rows for the N rows of the target forward just run.
+        """Write the draft's context for the N rows of the target forward just run
+        (`relayed_taps`: hidden states earlier pipeline stages computed)."""
 
-        Call after every target forward on the last stage (prefill chunks that
-        sample nothing included), after the relay's `absorb`, with that forward's
-        positions and slot mapping.
-        """
-        if num_tokens == 0:
-            return
-        taps = torch.cat([buf[:num_tokens] for buf in self.tap_buffers], dim=-1)
-        self.model.write_context_kv(
-            taps, positions[:num_tokens], slot_mapping[:num_tokens]
-        )
-
-    def capture_graphs(self, sizes: list[int], table_width: int) -> None:
-        """Capture the block pass for these batch sizes (CUDA; see cuda_graph.py)."""
-        self.block_graphs = BlockPassGraphs(
-            self.model,
-            sizes,
-            self.num_speculative_tokens,
-            table_width,
-            self.tap_buffers[0].device,
-        )
-
-    def _block_logits(
-        self, anchors: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor
-    ) -> torch.Tensor:
-        """Base logits [B, T, V] of the block pass: replayed when captured."""
-        if self.block_graphs is not None:
-            logits = self.block_graphs.run(anchors, positions, tables)
-            if logits is not None:
-                return logits
-        return self.model.block_forward(
-            anchors, positions, tables, self.num_speculative_tokens
-        )
-
-    @torch.inference_mode()
+    @abstractmethod
     def propose(
         self,
         anchor_ids: torch.Tensor,
@@ -220,32 +60,9 @@ class Drafter:
         block_tables: torch.Tensor,
         sampling: SamplingMetadata,
     ) -> DraftOutput:
-        """The next T drafts of each sampled sequence, on the device.
+        """The next T drafts of each sampled sequence, on the device."""
 
-        anchor_ids [S] are the tokens just emitted (from the target's vocabulary,
-        which the draft shares), anchor_positions [S] the positions they are
-        committed at; the drafts are for the next T positions. block_tables [S, W]
-        cover each sequence's context rows. `sampling` holds the sequences'
-        settings and seeds in the same order.
-        """
-        if not self.will_propose:
-            raise RuntimeError(
-                "a context-only producer writes context KV, never drafts"
-            )
-        num_seqs, width = anchor_ids.shape[0], self.num_speculative_tokens
-        if anchor_positions.shape[0] != num_seqs or block_tables.shape[0] != num_seqs:
-            raise ValueError(
-                f"{num_seqs} anchors, {anchor_positions.shape[0]} positions and "
-                f"{block_tables.shape[0]} block tables must agree"
-            )
-        if num_seqs == 0:
-            empty = torch.empty(0, width, dtype=torch.long, device=anchor_ids.device)
-            return DraftOutput(empty, None)
-        base_logits = self._block_logits(anchor_ids, anchor_positions, block_tables)
-        return markov_decode(
-            base_logits,
-            anchor_ids,
-            anchor_positions,
-            self.model.markov_bias,
-            sampling,
-        )
+    @abstractmethod
+    def capture_graphs(self, sizes: list[int], table_width: int) -> None:
+        """Capture the draft's per-step passes for these batch sizes as CUDA graphs
+        (block tables `table_width` wide)."""

@@ -1,11 +1,11 @@
-"""Relay of DSpark tap hidden states across pipeline stages (pp_dspark.md section 2).
+"""Relay of DSpark tap hidden states across pipeline stages (docs/pp_dspark.md).
 
 The drafter lives on the last stage, but its taps span the whole stack. Each stage
 derives, from its own layer placement alone, which taps it owns, which arrive from
 earlier stages and which it sends on; no metadata travels. A non-last stage hooks
 its own taps and sends [received | own] as one tensor under `aux_hidden_states`;
-the last stage copies each received column block into the drafter's buffer of
-that tap. Residency is structural (`tap_is_resident`), the one rule the drafter's
+the last stage unpacks the received column blocks by tap and hands them to the
+drafter. Residency is structural (`tap_is_resident`), the one rule the drafter's
 capture and the relay share: the embedding copy the last stage holds for its
 drafter never runs in the target forward, so it must never count as tap -1.
 """
@@ -147,7 +147,7 @@ class PPAuxRelay:
         None when nothing goes out (a stage before which and on which no tap lives).
         """
         if self.is_last:
-            raise RuntimeError("the last stage sends no taps; call absorb instead")
+            raise RuntimeError("the last stage sends no taps; call unpack instead")
         self._check_received(received, num_tokens)
         if not self.outgoing:
             return None
@@ -155,24 +155,18 @@ class PPAuxRelay:
         parts += [self.buffers[t][:num_tokens] for t in self.own]
         return torch.cat(parts, dim=-1)
 
-    def absorb(
-        self,
-        received: torch.Tensor | None,
-        drafter_buffers: list[torch.Tensor],
-        num_tokens: int,
-    ) -> None:
-        """Last stage: copy each received tap into the drafter buffer at its index."""
+    def unpack(
+        self, received: torch.Tensor | None, num_tokens: int
+    ) -> dict[int, torch.Tensor]:
+        """Last stage: tap id -> its [N, H] rows, views of the received block."""
         if not self.is_last:
-            raise RuntimeError("only the last stage absorbs relayed taps")
-        if len(drafter_buffers) != len(self.tap_ids):
-            raise ValueError(
-                f"{len(drafter_buffers)} drafter buffers for {len(self.tap_ids)} taps"
-            )
+            raise RuntimeError("only the last stage unpacks relayed taps")
         self._check_received(received, num_tokens)
         width = self.hidden_size
-        for column, tap in enumerate(self.incoming):
-            block = received[:num_tokens, column * width : (column + 1) * width]
-            drafter_buffers[self.tap_ids.index(tap)][:num_tokens].copy_(block)
+        return {
+            tap: received[:num_tokens, column * width : (column + 1) * width]
+            for column, tap in enumerate(self.incoming)
+        }
 
     def remove(self) -> None:
         if self.capture is not None:

@@ -71,8 +71,6 @@ class AttentionMetadata:
 class ForwardContext:
     attn_metadata: AttentionMetadata | None = None
     is_draft: bool = False
-    # Row offset of this micro-batch inside the step's tap buffers.
-    token_offset: int = 0
 
 
 _CONTEXT = ForwardContext()

@@ -21,7 +21,6 @@ from tokenizers import Tokenizer
 from atom.model_engine.batch import BatchOutput, ScheduledBatch
 from atom.model_engine.llm_engine import LLMEngine
 from atom.models.tiny import resolve_model_path
-from atom.models.tiny.configs import TOKEN_IDS
 from atom.models.tiny.excerpt import held_out_verses
 from atom.models.tiny.tokenizer import TOKENIZER_FILE
 from atom.models.utils import PPMissingLayer, language_model_of, pp_holds_embedding
@@ -41,8 +40,6 @@ SETTINGS = dict(
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
 PAIRS = {"k3": ("tiny-kimi-k3", "tiny-kimi-k3-dspark"),
          "k31": ("tiny-kimi-k31", "tiny-kimi-k31-dspark")}  # fmt: skip
-# The tiny vocabularies end with bos / eos / pad / mask; prompts use plain tokens.
-NUM_PLAIN_TOKENS = min(TOKEN_IDS.values())
 
 
 @contextlib.contextmanager
@@ -99,14 +96,14 @@ class Recorder:
         """Every draft each sequence received, sequences in admission order."""
         drafts: dict[int, list[list[int]]] = {}
         for output in self.outputs:
-            for seq_id, proposed in zip(output.seq_ids, output.draft_token_ids):
-                drafts.setdefault(seq_id, []).append(list(proposed))
+            for choice in output.choices:
+                drafts.setdefault(choice.seq_id, []).append(choice.draft_token_ids)
         return [drafts[s] for s in sorted(drafts)]
 
     def works_of(self, index: int) -> list:
         """SeqWorks of the index-th sequence (admission order), batch order."""
-        seq_ids = sorted({w.seq_id for b in self.batches for w in b.seqs})
-        return [w for b in self.batches for w in b.seqs if w.seq_id == seq_ids[index]]
+        seq_ids = sorted({w.seq_id for b in self.batches for w in b.work})
+        return [w for b in self.batches for w in b.work if w.seq_id == seq_ids[index]]
 
     def slots(self, index: int, num_tokens: int) -> list[int]:
         """Paged-KV slots of positions 0..num_tokens-1 of the index-th sequence."""
@@ -154,7 +151,7 @@ def generate_ids(engine: LLMEngine, prompts, params=GREEDY) -> list[list[int]]:
 
 
 def acceptance(engine: LLMEngine) -> float:
-    return engine.get_mtp_statistics()["acceptance_rate"]
+    return engine.get_spec_decode_stats()["acceptance_rate"]
 
 
 # ---- run inside every rank (engine.workers.call) ----

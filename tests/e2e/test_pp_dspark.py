@@ -193,7 +193,7 @@ def test_producer_writes_draft_context_for_every_chunk_without_proposing(referen
         producer.close()
     assert ids == [reference("k3").ids[-1][:1]]
     assert len(recorder.works_of(0)) >= 3  # the prompt ran as several chunks
-    assert all(d == [] for out in recorder.outputs for d in out.draft_token_ids)
+    assert all(c.draft_token_ids == [] for out in recorder.outputs for c in out.choices)
     last = facts[-1]
     assert not last["pp_holds_embedding"] and not last["target_embedding_real"]
     assert last["has_drafter"] and last["draft_embedding_is_none"]

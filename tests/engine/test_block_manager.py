@@ -139,7 +139,7 @@ def test_may_append_grows_for_speculative_rows_and_hashes_committed_blocks():
     bm.allocate(seq)
     bm.cache_full_blocks(seq, 7)
     assert seq.num_hashed_blocks == 1
-    seq.append_token(7)
+    seq.token_ids.append(7)
     assert bm.can_append(seq, 5)
     # Rows [last, d1..d5] at positions 7..12 need 4 blocks.
     bm.may_append(seq, 5)

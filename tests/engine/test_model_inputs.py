@@ -9,7 +9,12 @@ from atom.model_engine.model_inputs import prepare_inputs
 
 def seq(seq_id, tokens, context_len, blocks, slot, spec=0):
     return SeqWork(
-        seq_id, tokens, context_len, blocks, slot, True, spec, 0.0, 0, 1.0, None
+        seq_id=seq_id,
+        token_ids=tokens,
+        context_len=context_len,
+        block_table=blocks,
+        state_slot=slot,
+        num_spec_tokens=spec,
     )
 
 

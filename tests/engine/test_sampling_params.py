@@ -9,7 +9,6 @@ def test_defaults_and_stop_strings():
     assert (params.max_tokens, params.n, params.stop_strings) == (64, 1, [])
     assert SamplingParams(stop="###").stop_strings == ["###"]
     assert SamplingParams(stop=["a", "b"]).stop_strings == ["a", "b"]
-    assert SamplingParams(temperature=0).is_greedy
 
 
 @pytest.mark.parametrize(

@@ -2,7 +2,7 @@ import pickle
 
 import pytest
 
-from atom.model_engine.batch import BatchOutput
+from atom.model_engine.batch import BatchOutput, TokenChoice
 from atom.model_engine.scheduler import Scheduler
 from atom.model_engine.sequence import SequenceStatus
 from tests.engine.scheduler_helpers import (
@@ -22,7 +22,7 @@ def test_chunked_prefill_splits_on_the_token_budget():
     chunks = []
     while (batch := sched.schedule()) is not None:
         assert batch.num_tokens <= 8
-        (work,) = batch.seqs
+        (work,) = batch.work
         chunks.append((work.context_len, len(work.token_ids), work.sample))
         if not batch.produces_output:
             sched.postprocess(batch, None)
@@ -36,12 +36,12 @@ def test_budget_is_shared_and_the_second_prompt_continues_next_batch():
     sched.add(a)
     sched.add(b)
     first = sched.schedule()
-    assert [(w.seq_id, len(w.token_ids), w.sample) for w in first.seqs] == [
+    assert [(w.seq_id, len(w.token_ids), w.sample) for w in first.work] == [
         (a.seq_id, 10, True),
         (b.seq_id, 6, False),
     ]
     second = sched.schedule()
-    assert [(w.seq_id, w.context_len, len(w.token_ids)) for w in second.seqs] == [
+    assert [(w.seq_id, w.context_len, len(w.token_ids)) for w in second.work] == [
         (b.seq_id, 6, 4)
     ]
 
@@ -53,8 +53,8 @@ def test_without_chunking_a_prompt_waits_for_a_batch_it_fits_in():
     a, b = seq_of(range(40)), seq_of(range(100, 140))
     sched.add(a)
     sched.add(b)
-    assert [w.seq_id for w in sched.schedule().seqs] == [a.seq_id]
-    assert [len(w.token_ids) for w in sched.schedule().seqs] == [40]
+    assert [w.seq_id for w in sched.schedule().work] == [a.seq_id]
+    assert [len(w.token_ids) for w in sched.schedule().work] == [40]
     with pytest.raises(ValueError, match="max_model_len"):
         make_scheduler(max_num_batched_tokens=32, enable_chunked_prefill=False)
 
@@ -65,16 +65,16 @@ def test_continuous_batching_admits_new_requests_between_decode_steps():
     sched.add(a)
     run_until_sampled(sched)
     decode = sched.schedule()
-    assert decode.seqs[0].token_ids == [50] and decode.seqs[0].context_len == 5
+    assert decode.work[0].token_ids == [50] and decode.work[0].context_len == 5
     sched.postprocess(decode, answer(decode, [[51]]))
     b = seq_of(range(20, 23))
     sched.add(b)
     # Prefill first: the newcomer runs alone, then both decode together.
     prefill = sched.schedule()
-    assert [w.seq_id for w in prefill.seqs] == [b.seq_id]
+    assert [w.seq_id for w in prefill.work] == [b.seq_id]
     sched.postprocess(prefill, answer(prefill))
     both = sched.schedule()
-    assert [(w.seq_id, w.context_len) for w in both.seqs] == [
+    assert [(w.seq_id, w.context_len) for w in both.work] == [
         (a.seq_id, 6),
         (b.seq_id, 3),
     ]
@@ -87,7 +87,7 @@ def test_max_num_seqs_bounds_running_sequences():
     for seq in seqs:
         sched.add(seq)
     batch = sched.schedule()
-    assert len(batch.seqs) == 2 and len(sched.running) == 2
+    assert len(batch.work) == 2 and len(sched.running) == 2
     assert sched.stats()["requests_waiting"] == 1
 
 
@@ -100,7 +100,7 @@ def test_eos_and_max_tokens_finish_and_free_resources():
     finished = sched.postprocess(batch, answer(batch, [[40], [EOS]]))
     assert [s.finish_reason for s in finished] == ["length", "stop"]
     assert sched.is_finished() and sched.block_manager.num_used_blocks == 0
-    assert sched.state_slots.num_free == 4
+    assert a.state_slot is None and b.state_slot is None
     ignore = seq_of([5, 6], ignore_eos=True, max_tokens=2)
     sched.add(ignore)
     batch = sched.schedule()
@@ -125,13 +125,13 @@ def test_preemption_frees_the_sequence_and_recomputes_it_later():
     step = sched.schedule()
     sched.postprocess(step, answer(step, [[60], [61]]))  # 9 tokens each
     step = sched.schedule()  # a takes the last block; b has none left
-    assert [w.seq_id for w in step.seqs] == [a.seq_id]
+    assert [w.seq_id for w in step.work] == [a.seq_id]
     assert b.status is SequenceStatus.WAITING and b.block_table == []
     assert b.num_computed_tokens == 0 and sched.stats()["preemptions"] == 1
     sched.postprocess(step, answer(step, [[62]]))
     assert a.is_finished
     redo = sched.schedule()
-    (work,) = redo.seqs
+    (work,) = redo.work
     assert (work.seq_id, work.context_len, work.sample) == (b.seq_id, 0, True)
     assert work.token_ids == list(range(20, 27)) + [50, 61]
 
@@ -148,7 +148,7 @@ def test_output_in_flight_for_a_preempted_or_aborted_sequence_is_ignored():
     sched.add(a)
     run_until_sampled(sched)  # a: 2 blocks, none left
     a_decode = sched.schedule()  # a needs a third block: b is preempted
-    assert [w.seq_id for w in a_decode.seqs] == [a.seq_id]
+    assert [w.seq_id for w in a_decode.work] == [a.seq_id]
     assert b.status is SequenceStatus.WAITING
     assert sched.postprocess(b_decode, answer(b_decode, [[70]])) == []
     assert b.output_token_ids == [50]
@@ -166,7 +166,7 @@ def test_prefix_hit_reuses_full_blocks_and_computes_the_rest():
     run_until_sampled(sched)
     longer = seq_of(list(range(10, 20)) + [1, 1])
     sched.add(longer)
-    (work,) = sched.schedule().seqs
+    (work,) = sched.schedule().work
     assert longer.num_cached_tokens == 8
     assert (work.context_len, work.token_ids) == (8, [18, 19, 1, 1])
     assert work.block_table[:2] == first.block_table[:2]
@@ -180,7 +180,7 @@ def test_full_prefix_hit_still_computes_one_block():
     run_until_sampled(sched)
     same = seq_of(range(10, 18))
     sched.add(same)
-    (work,) = sched.schedule().seqs
+    (work,) = sched.schedule().work
     assert (work.context_len, len(work.token_ids), work.sample) == (4, 4, True)
 
 
@@ -190,11 +190,11 @@ def test_blocks_written_in_a_batch_are_not_hits_within_it():
     sched.add(a)
     sched.add(b)
     batch = sched.schedule()
-    assert [w.context_len for w in batch.seqs] == [0, 0]
+    assert [w.context_len for w in batch.work] == [0, 0]
     c = seq_of(range(10, 20))
     sched.add(c)
     sched.postprocess(batch, answer(batch))
-    assert sched.schedule().seqs[0].context_len == 8
+    assert sched.schedule().work[0].context_len == 8
 
 
 # ---- speculative decoding ----
@@ -210,7 +210,7 @@ def test_verify_rows_commits_and_drafts_flow_between_batches():
     sched.add(seq)
     run_until_sampled(sched, drafts=[[71, 72, 73]])
     verify = sched.schedule()
-    (work,) = verify.seqs
+    (work,) = verify.work
     assert (work.token_ids, work.context_len, work.num_spec_tokens) == (
         [50, 71, 72, 73],
         6,
@@ -224,7 +224,7 @@ def test_verify_rows_commits_and_drafts_flow_between_batches():
     assert seq.num_computed_tokens == seq.num_tokens - 1
     nxt = sched.schedule()
     assert nxt.spec_commits == [(work.state_slot, 2)]
-    assert (nxt.seqs[0].token_ids, nxt.seqs[0].context_len) == ([90, 81, 82, 83], 8)
+    assert (nxt.work[0].token_ids, nxt.work[0].context_len) == ([90, 81, 82, 83], 8)
     assert sched.spec_stats.total_draft_tokens == 3
     assert sched.spec_stats.total_accepted_tokens == 1
 
@@ -250,7 +250,7 @@ def test_fewer_drafts_are_verified_near_max_tokens_and_max_model_len():
     seq = seq_of(range(10, 16), max_tokens=3)
     sched.add(seq)
     run_until_sampled(sched, drafts=[[71, 72, 73]])
-    (work,) = sched.schedule().seqs
+    (work,) = sched.schedule().work
     # 2 tokens may still be emitted: verify 1 draft (+1 bonus).
     assert (work.token_ids, work.num_spec_tokens) == ([50, 71], 1)
 
@@ -259,7 +259,7 @@ def test_fewer_drafts_are_verified_near_max_tokens_and_max_model_len():
     sched.add(seq)
     run_until_sampled(sched, drafts=[[71, 72, 73]])
     verify = sched.schedule()
-    assert verify.seqs[0].num_spec_tokens == 1  # 8 tokens now, room for 2 more
+    assert verify.work[0].num_spec_tokens == 1  # 8 tokens now, room for 2 more
     finished = sched.postprocess(verify, answer(verify, [[71, 72]], [1], [[1, 1, 1]]))
     assert finished == [seq] and seq.finish_reason == "length"
     assert seq.num_tokens == 10
@@ -281,10 +281,11 @@ def test_output_of_another_batch_raises():
     sched = make_scheduler()
     sched.add(seq_of([5, 6, 7]))
     batch = sched.schedule()
-    wrong = BatchOutput(batch.batch_id + 1, batch.sample_seq_ids, [[1]], [0], [[]])
+    (seq_id,) = batch.sample_seq_ids
+    wrong = BatchOutput(batch.batch_id + 1, [TokenChoice(seq_id, [1], 0, [])])
     with pytest.raises(RuntimeError, match="out of step"):
         sched.postprocess(batch, wrong)
-    stranger = BatchOutput(batch.batch_id, [12345], [[1]], [0], [[]])
+    stranger = BatchOutput(batch.batch_id, [TokenChoice(12345, [1], 0, [])])
     with pytest.raises(RuntimeError, match="expected"):
         sched.postprocess(batch, stranger)
     with pytest.raises(RuntimeError, match="without a BatchOutput"):
@@ -296,7 +297,7 @@ def test_batch_ids_are_monotonic_and_pipelined_chunks_advance():
     sched.add(seq_of(range(10, 20)))
     batches = [sched.schedule() for _ in range(3)]
     assert [b.batch_id for b in batches] == [0, 1, 2]
-    assert [b.seqs[0].context_len for b in batches] == [0, 4, 8]
+    assert [b.work[0].context_len for b in batches] == [0, 4, 8]
     assert sched.schedule() is None  # waiting for the sampled token
 
 

@@ -12,7 +12,8 @@ from collections import deque
 
 import pytest
 
-from atom.model_engine.batch import BatchOutput, ScheduledBatch
+from atom.config import EngineLimits
+from atom.model_engine.batch import BatchOutput, ScheduledBatch, TokenChoice
 from atom.model_engine.scheduler import Scheduler
 from atom.model_engine.sequence import Sequence
 from atom.sampling_params import SamplingParams
@@ -47,7 +48,7 @@ class ToyRunner:
         self.kv: list[int | None] = [None] * (
             sched.block_manager.num_total_blocks * BLOCK
         )
-        self.state: list[tuple[int, ...] | None] = [None] * sched.num_state_slots
+        self.state: list[tuple[int, ...] | None] = [None] * sched.limits.num_state_slots
         self.snapshots: dict[int, list[tuple[int, ...]]] = {}
         self.num_spec = num_spec
         self.hybrid = sched.has_recurrent_state
@@ -60,14 +61,14 @@ class ToyRunner:
     def execute(self, batch: ScheduledBatch) -> BatchOutput | None:
         for slot, rows in batch.spec_commits:
             self.state[slot] = self.snapshots.pop(slot)[rows - 1]
-        for work in batch.seqs:
+        for work in batch.work:
             if work.state_fork_src is not None:
                 self.state[work.state_slot] = self.state[work.state_fork_src]
                 self.num_forks += 1
             elif work.context_len == 0:
                 self.state[work.state_slot] = ()
-        ids, emitted, accepted, drafts = [], [], [], []
-        for work in batch.seqs:
+        choices = []
+        for work in batch.work:
             state = self.state[work.state_slot]
             targets, row_states = [], []
             for i, token in enumerate(work.token_ids):
@@ -94,16 +95,14 @@ class ToyRunner:
                 a += 1
             tokens = work.token_ids[base + 1 : base + 1 + a] + [targets[base + a]]
             committed = row_states[base + a] + (tokens[-1],)
-            ids.append(work.seq_id)
-            emitted.append(tokens)
-            accepted.append(a)
-            drafts.append(self._propose(committed, work.block_table))
-        for work in batch.seqs:
+            drafts = self._propose(committed, work.block_table)
+            choices.append(TokenChoice(work.seq_id, tokens, a, drafts))
+        for work in batch.work:
             if work.state_save_dst is not None:
                 self.state[work.state_save_dst] = self.state[work.state_slot]
-        if not ids:
+        if not choices:
             return None
-        return BatchOutput(batch.batch_id, ids, emitted, accepted, drafts)
+        return BatchOutput(batch.batch_id, choices)
 
     def _propose(self, committed: tuple[int, ...], block_table: list[int]):
         if not self.num_spec:
@@ -170,17 +169,15 @@ def simulate(sched: Scheduler, runner: ToyRunner, requests, depth: int):
 )
 def test_generation_matches_greedy_reference(num_spec, hybrid, depth, num_blocks):
     max_model_len = 40
-    sched = Scheduler(
+    limits = EngineLimits(
         max_num_seqs=4,
         max_num_batched_tokens=16,
         max_model_len=max_model_len,
         block_size=BLOCK,
-        num_kv_blocks=num_blocks,
-        has_recurrent_state=hybrid,
         num_speculative_tokens=num_spec,
-        eos_token_id=EOS,
         num_state_checkpoints=3,
     )
+    sched = Scheduler(limits, num_blocks, has_recurrent_state=hybrid, eos_token_id=EOS)
     runner = ToyRunner(sched, num_spec, seed=num_blocks + depth)
     requests = make_requests(seed=7)
     simulate(sched, runner, requests, depth)

@@ -39,12 +39,10 @@ def uniform_metadata(num_seqs: int, rows: int, device: str) -> AttentionMetadata
     """Metadata of `num_seqs` fresh sequences of `rows` rows each (what fla reads)."""
     works = [
         SeqWork(
-            seq_id=i, token_ids=[0] * rows, context_len=0, block_table=[0],
-            state_slot=i, sample=True, num_spec_tokens=0, temperature=0.0,
-            top_k=0, top_p=1.0, seed=None,
+            seq_id=i, token_ids=[0] * rows, context_len=0, block_table=[0], state_slot=i
         )
         for i in range(num_seqs)
-    ]  # fmt: skip
+    ]
     return prepare_inputs(works, rows, device)[2]
 
 

@@ -48,30 +48,25 @@ def work(
         context_len=context_len,
         block_table=list(range(first_block, first_block + num_blocks)),
         state_slot=slot,
-        sample=True,
         num_spec_tokens=num_spec_tokens,
-        temperature=0.0,
-        top_k=0,
-        top_p=1.0,
-        seed=None,
     )
 
 
 @torch.inference_mode()
 def forward_rows(
     model: nn.Module,
-    seqs: list[SeqWork],
+    works: list[SeqWork],
     intermediate: IntermediateTensors | None = None,
 ) -> torch.Tensor | IntermediateTensors:
-    """One forward of `seqs` (hidden states on the last stage, else the payload)."""
-    input_ids, positions, metadata = prepare_inputs(seqs, BLOCK_SIZE, "cpu")
+    """One forward of `works` (hidden states on the last stage, else the payload)."""
+    input_ids, positions, metadata = prepare_inputs(works, BLOCK_SIZE, "cpu")
     with set_forward_context(ForwardContext(metadata)):
         return model(input_ids, positions, intermediate)
 
 
 @torch.inference_mode()
-def logits_of(model: nn.Module, seqs: list[SeqWork]) -> torch.Tensor:
-    return model.compute_logits(forward_rows(model, seqs))
+def logits_of(model: nn.Module, works: list[SeqWork]) -> torch.Tensor:
+    return model.compute_logits(forward_rows(model, works))
 
 
 @torch.no_grad()

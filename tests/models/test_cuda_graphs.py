@@ -33,7 +33,7 @@ def build_runner(dtype: str) -> ModelRunner:
         cudagraph_capture_sizes=[1, 2, 4, 8],
     )
     runner = ModelRunner(config, torch.device("cuda"))
-    runner.allocate_caches(64, 0)
+    runner.allocate_caches(64)
     return runner
 
 
@@ -118,6 +118,6 @@ def test_dspark_with_graphs_emits_the_eager_target_only_tokens():
         if name == "dspark":
             assert runner_of(llm).graphs is not None
             assert runner_of(llm).drafter.block_graphs is not None
-            assert llm.get_mtp_statistics()["num_verify_steps"] > 0
+            assert llm.get_spec_decode_stats()["num_verify_steps"] > 0
         llm.close()
     assert runs["dspark"] == runs["eager"]

@@ -1,4 +1,4 @@
-"""F6: where a real tiny Kimi-K3 builds `embed_tokens` under pipeline parallelism.
+"""Where a real tiny Kimi-K3 builds `embed_tokens` under pipeline parallelism.
 
 The last stage holds the table only for an embedding-sharing drafter (DSpark), never
 on a context-only producer or a middle stage; and the target forward never runs it.

@@ -8,7 +8,11 @@ from atom.config import Config
 from atom.distributed.parallel_state import build_parallel_state
 from atom.models.kimi_k3.config import KimiTextConfig
 from atom.models.kimi_k3.model import KimiLinearModel
-from atom.models.tiny.configs import k3_text_config, kimi_linear_config
+from atom.models.tiny.configs import (
+    TINY_VOCAB_SIZE,
+    k3_text_config,
+    kimi_linear_config,
+)
 from tests.models.kimi_helpers import k3_full_size_text
 
 
@@ -129,4 +133,4 @@ def test_tensor_parallel_shard_shapes():
     assert tuple(moe.experts.w13.shape) == (8, 64, 64)
     assert tuple(moe.experts.w2.shape) == (8, 64, 32)
     assert tuple(moe.routed_expert_down_proj.weight.shape) == (64, 128)
-    assert tuple(model.embed_tokens.weight.shape) == (512, 128)
+    assert tuple(model.embed_tokens.weight.shape) == (TINY_VOCAB_SIZE // 2, 128)

@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from atom.model_engine.model_inputs import SeqPadding, prepare_inputs
+from atom.model_loader.build import building_on
 from atom.model_loader.loader import WeightLoadingError
 from atom.models.kimi_k3.model import KimiK3ForConditionalGeneration
 from atom.models.registry import get_model_class
@@ -262,12 +263,8 @@ def test_alternate_spellings_and_skipped_tensors_load(tmp_path):
 
 def test_bfloat16_build_keeps_the_fp32_parameters(k3):
     _, golden = k3
-    saved = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
+    with building_on("cpu", torch.bfloat16):
         model, _ = build_target("tiny-kimi-k3")
-    finally:
-        torch.set_default_dtype(saved)
     fp32 = {n for n, p in model.named_parameters() if p.dtype == torch.float32}
     kda = "language_model.model.layers.0.self_attn."
     assert {kda + n for n in ("A_log", "dt_bias", "o_norm.weight")} <= fp32

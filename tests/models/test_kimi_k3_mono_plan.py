@@ -1,4 +1,4 @@
-"""The layer plan: attention and FFN kind per layer, AttnRes blocks, draft taps.
+"""The layer plan: attention and FFN kind per layer, AttnRes blocks, the layers drafts tap.
 
 Checked for the released Kimi-K3 schedule, for K3.1 (served by the K3 code through
 ARCH_ALIASES, so its plan must come out of the same reader unchanged), and for every
@@ -11,9 +11,9 @@ import pytest
 
 from atom.config import Config
 from atom.models.kimi_k3.config import KimiTextConfig
+from atom.models.kimi_k3.dspark_config import DSparkDraftConfig
 from atom.models.kimi_k3.model import text_config_of
 from atom.models.kimi_k3.plan import FFN, Attention
-from atom.models.kimi_k3_dspark_config import DSparkDraftConfig
 from atom.models.tiny.configs import dspark_config, k3_text_config
 from tests.models.kimi_helpers import k3_full_size_text
 
@@ -26,6 +26,19 @@ K3_FAMILY_ALT_TAPS = [7, 31, 47, 63, 87]
 RELEASED_K3_PATTERN = " ".join(
     ["Kd", "Ke", "Ke", "Me"] + ["Ke", "Ke", "Ke", "Me"] * 22 + ["Me"]
 )
+
+
+def pattern(plan) -> str:
+    """Two letters per layer: K/M for KDA/MLA, then d/e for dense/MoE."""
+    return " ".join(
+        ("K" if layer.is_kda else "M") + ("e" if layer.is_moe else "d")
+        for layer in plan
+    )
+
+
+def block_starts(plan) -> tuple[int, ...]:
+    """Layers that bank the running block (AttnRes boundaries)."""
+    return tuple(layer.index for layer in plan if layer.opens_block)
 
 
 def k3_folder(tmp_path, architecture: str) -> str:
@@ -43,7 +56,7 @@ def k3_plan():
 
 def test_released_k3_schedule(k3_plan):
     assert k3_plan.num_layers == 93
-    assert k3_plan.pattern == RELEASED_K3_PATTERN
+    assert pattern(k3_plan) == RELEASED_K3_PATTERN
     assert sorted(k3_plan.mla_layers) == list(range(3, 88, 4)) + [91, 92]
     assert len(k3_plan.kda_layers) == 69
     # Layer 0 is KDA + dense; every later layer is MoE.
@@ -53,7 +66,7 @@ def test_released_k3_schedule(k3_plan):
 
 def test_released_k3_attn_res_blocks(k3_plan):
     assert k3_plan.attn_res_block_size == 12
-    assert k3_plan.block_starts == tuple(range(0, 93, 12))
+    assert block_starts(k3_plan) == tuple(range(0, 93, 12))
     assert [k3_plan[i].blocks_before for i in (0, 1, 12, 13, 46, 47, 92)] == [
         0,
         1,
@@ -70,8 +83,7 @@ def test_released_k3_attn_res_blocks(k3_plan):
 
 
 def test_k3_dspark_taps(k3_plan):
-    plan = k3_plan.with_taps(K3_DSPARK_TAPS)
-    assert plan.tapped_layers == tuple(K3_DSPARK_TAPS) and not plan.taps_embedding
+    plan = k3_plan
     kinds = [(plan[i].attention, plan[i].ffn) for i in K3_DSPARK_TAPS]
     assert [a for a, _ in kinds] == [
         Attention.KDA,
@@ -83,15 +95,7 @@ def test_k3_dspark_taps(k3_plan):
     assert all(ffn is FFN.MOE for _, ffn in kinds)
     # Tap 23 is the last layer of AttnRes block 1 (layers 12..23).
     assert plan[23].blocks_before == 2 and plan[24].opens_block
-    alt = k3_plan.with_taps(K3_FAMILY_ALT_TAPS)
-    assert all(alt[i].attention is Attention.MLA for i in K3_FAMILY_ALT_TAPS)
-    assert sum(layer.tapped for layer in alt) == 5
-
-
-@pytest.mark.parametrize("taps", [[93], [-2, 3]])
-def test_taps_outside_the_target_are_refused(k3_plan, taps):
-    with pytest.raises(ValueError, match=r"outside \{-1\} and \[0, 93\)"):
-        k3_plan.with_taps(taps)
+    assert all(plan[i].attention is Attention.MLA for i in K3_FAMILY_ALT_TAPS)
 
 
 def test_k31_plan_is_k3s(tmp_path, k3_plan):
@@ -112,28 +116,28 @@ TINY_LAYOUTS = [
 ]
 
 
-@pytest.mark.parametrize("model, pattern, block_starts, final_blocks", TINY_LAYOUTS)
-def test_tiny_layout_plans(model, pattern, block_starts, final_blocks):
+@pytest.mark.parametrize("model, layers, starts, final_blocks", TINY_LAYOUTS)
+def test_tiny_layout_plans(model, layers, starts, final_blocks):
     plan = text_config_of(Config(model=model)).plan
-    assert plan.pattern == pattern
-    assert plan.block_starts == block_starts
+    assert pattern(plan) == layers
+    assert block_starts(plan) == starts
     assert plan.blocks_before(plan.num_layers) == final_blocks
-    assert plan.uses_attn_res == bool(block_starts)
+    assert plan.uses_attn_res == bool(starts)
 
 
 def test_tiny_dspark_taps():
     target = k3_text_config()
     draft = DSparkDraftConfig.from_hf(dspark_config(target))
-    plan = KimiTextConfig.from_hf(target).plan.with_taps(draft.target_layer_ids)
-    assert plan.taps == (-1, 1, 4, 6) and plan.taps_embedding
-    assert plan.tapped_layers == (1, 4, 6)
-    assert [plan[i].attention for i in plan.tapped_layers] == [
+    plan = KimiTextConfig.from_hf(target).plan
+    assert draft.target_layer_ids == (-1, 1, 4, 6)  # -1: the embedding output
+    tapped_layers = (1, 4, 6)
+    assert [plan[i].attention for i in tapped_layers] == [
         Attention.MLA,
         Attention.KDA,
         Attention.MLA,
     ]
     # Taps 1 and 4 sit on either side of a block boundary (blocks open at 2 and 4).
-    assert [plan[i].blocks_before for i in plan.tapped_layers] == [1, 2, 3]
+    assert [plan[i].blocks_before for i in tapped_layers] == [1, 2, 3]
 
 
 def test_layers_are_built_from_the_plan():

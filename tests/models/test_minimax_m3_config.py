@@ -12,6 +12,7 @@ import torch
 
 from atom.config import Config
 from atom.distributed.parallel_state import build_parallel_state
+from atom.model_loader.build import building_on
 from atom.model_loader.loader import load_weights
 from atom.model_ops.embed_head import VocabParallelEmbedding
 from atom.models import registry
@@ -174,12 +175,8 @@ def test_embedding_placement(pp_rank, pp_size, method, kv_role, real):
 
 
 def test_router_stays_fp32_in_a_bf16_model():
-    saved = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
+    with building_on("cpu", torch.bfloat16):
         model = MiniMaxM3Model(Config(model=TARGET))
-    finally:
-        torch.set_default_dtype(saved)
     moe = model.layers[2].block_sparse_moe
     assert moe.gate.weight.dtype == torch.float32
     assert moe.experts.w13.dtype == torch.bfloat16

@@ -1,4 +1,4 @@
-"""Golden reference for Kimi Linear, Kimi-K3 and K3.1 (kimi_k3.md section 4).
+"""Golden reference for Kimi Linear, Kimi-K3 and K3.1 (docs/kimi_k3.md).
 
 Slow and plain on purpose: one sequence, full recompute, fp32, no caches, no chunking,
 no parallelism, and the KDA recurrence as a token loop. It imports nothing from atom,
@@ -10,7 +10,7 @@ so it is an independent oracle for atom's layers, caches and parallel schedules.
 
 `hidden_states[0]` is the embedding output and `hidden_states[k + 1]` the output of
 layer k: the within-block prefix sum `p_out(k)` with AttnRes, else the residual stream.
-These are exactly the DSpark taps of spec section 5.
+These are exactly the DSpark taps (docs/dspark.md).
 """
 
 import json

@@ -58,7 +58,8 @@ def test_forced_counts_follow_the_general_formulas():
     force_drafts(engine, prompts, sequences, RIGHT)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outputs = engine.generate(prompts, params)
-    stats = engine.get_mtp_statistics()
+    stats = engine.get_spec_decode_stats()
+    assert engine.get_mtp_statistics() == stats  # ATOM's name
     line = engine.format_mtp_stats_line()
     engine.close()
 
@@ -90,7 +91,7 @@ def test_natural_run_satisfies_the_identities():
     prompts = _prompts(6)
     params = SamplingParams(temperature=0, max_tokens=23, ignore_eos=True)
     outputs = engine.generate(prompts, params)
-    stats = engine.get_mtp_statistics()
+    stats = engine.get_spec_decode_stats()
     line = engine.format_mtp_stats_line()
     engine.close()
 

@@ -38,7 +38,7 @@ def _run(wrong_embedding: bool) -> tuple[list[list[int]], dict]:
         draft._bind_shared("embed_tokens", table)
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     outputs = engine.generate(corpus_tokens(12), params)
-    stats = engine.get_mtp_statistics()
+    stats = engine.get_spec_decode_stats()
     engine.close()
     return [out["token_ids"] for out in outputs], stats
 

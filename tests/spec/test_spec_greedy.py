@@ -110,7 +110,7 @@ def test_mixed_batch_matches_target_only(reference, num_spec, prefix_caching, ch
         )
         assert engine.get_stats()["prefix_cache_hit_tokens"] > hits_before
         assert _tokens(again) == [expected[i]["token_ids"] for i in SHARED]
-    stats = engine.get_mtp_statistics()
+    stats = engine.get_spec_decode_stats()
     engine.close()
     print(f"{target} T={num_spec}: {stats}")
     assert stats["num_verify_steps"] > 0
@@ -147,7 +147,7 @@ def test_eos_inside_an_accepted_block(reference):
     engine = spec_engine(target, width, draft, max_num_seqs=1)
     force_drafts(engine, [prompt], [prompt + full["token_ids"]], width)
     (out,) = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=24))
-    stats = engine.get_mtp_statistics()
+    stats = engine.get_spec_decode_stats()
     engine.close()
     assert out["token_ids"] == full["token_ids"][:stop_at]
     assert out["finish_reason"] == "stop"

@@ -98,7 +98,7 @@ def test_state_and_tokens_after_partial_acceptance(reference, num_right):
     cache.commit = commit
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     (out,) = engine.generate([prompt], params)
-    stats = engine.get_mtp_statistics()
+    stats = engine.get_spec_decode_stats()
     engine.close()
 
     assert out["token_ids"] == sequence[len(prompt) : len(prompt) + NEW_TOKENS]

@@ -66,11 +66,15 @@ def exact_distributions(
         CacheEngine([target], blocks * len(group), BLOCK_SIZE, len(group), 0, "cpu",
                     torch.float32)  # fmt: skip
         works = [
-            SeqWork(i, PROMPT + list(prefix), 0,
-                    list(range(i * blocks, (i + 1) * blocks)), i, True, 0,
-                    0.0, -1, 1.0, None)
+            SeqWork(
+                seq_id=i,
+                token_ids=PROMPT + list(prefix),
+                context_len=0,
+                block_table=list(range(i * blocks, (i + 1) * blocks)),
+                state_slot=i,
+            )
             for i, prefix in enumerate(group)
-        ]  # fmt: skip
+        ]
         input_ids, positions, metadata = prepare_inputs(works, BLOCK_SIZE, "cpu")
         with set_forward_context(ForwardContext(metadata)):
             hidden = target(input_ids, positions)
@@ -119,7 +123,7 @@ def test_emitted_tokens_follow_the_target_distribution(target, case):
     samples = [
         out["token_ids"] for out in engine.generate([PROMPT] * NUM_REQUESTS, params)
     ]
-    stats = engine.get_mtp_statistics()
+    stats = engine.get_spec_decode_stats()
     prefixes = [tuple(s[:k]) for s in samples for k in range(POSITIONS)]
     engine.close()
     exact = exact_distributions(target, prefixes, params[0])

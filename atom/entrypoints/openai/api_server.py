@@ -108,7 +108,7 @@ def build_app(
     async def metrics() -> Response:
         try:
             stats, speculation = await async_engine.call(
-                lambda engine: (engine.get_stats(), engine.get_mtp_statistics())
+                lambda engine: (engine.get_stats(), engine.get_spec_decode_stats())
             )
         except EngineDeadError as error:
             return error_for(error).response()
@@ -119,7 +119,7 @@ def build_app(
     async def mtp_stats() -> JSONResponse:
         try:
             speculation = await async_engine.call(
-                lambda engine: engine.get_mtp_statistics()
+                lambda engine: engine.get_spec_decode_stats()
             )
         except EngineDeadError as error:
             return error_for(error).response()

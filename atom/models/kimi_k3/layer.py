@@ -1,4 +1,4 @@
-"""One Kimi decoder layer: KDA or MLA, then a dense MLP or MoE (spec 4.1).
+"""One Kimi decoder layer: KDA or MLA, then a dense MLP or MoE (docs/kimi_k3.md).
 
 Layers pass `(hidden_states, residual, block_residual)` along. `hidden_states` is the
 previous layer's FFN output, not yet added: the layer adds it first, so a pipeline

@@ -1,8 +1,8 @@
 """The layer plan of a Kimi text stack: what each layer is, derived once from config.
 
-Per 0-based layer: its attention (KDA or MLA), its FFN (dense MLP or MoE), where the
-AttnRes blocks close, and whether a DSpark draft taps its output. Model code, the tiny
-checkpoint writer and the tests read these facts here instead of re-deriving them.
+Per 0-based layer: its attention (KDA or MLA), its FFN (dense MLP or MoE) and where the
+AttnRes blocks close. Model code, the tiny checkpoint writer and the tests read these
+facts here instead of re-deriving them.
 
 AttnRes (block size bs): layer l banks the running partial sum before its attention
 when l % bs == 0, so its attention mix reads ceil(l / bs) closed blocks and the final
@@ -12,12 +12,10 @@ mix after the last layer reads ceil(L / bs).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from enum import Enum
 
 from atom.models.kimi_k3.config_fields import DENSE, KDA, MLA, MOE
-
-EMBEDDING_TAP = -1
 
 
 class Attention(Enum):
@@ -39,8 +37,6 @@ class LayerPlan:
     opens_block: bool
     # AttnRes blocks closed before the layer runs (0 without AttnRes).
     blocks_before: int
-    # A draft reads this layer's output (its post-layer residual stream).
-    tapped: bool = False
 
     @property
     def is_kda(self) -> bool:
@@ -59,8 +55,6 @@ def _ceil_div(a: int, b: int) -> int:
 class KimiLayerPlan:
     layers: tuple[LayerPlan, ...]
     attn_res_block_size: int | None
-    # The draft's target_layer_ids (-1: the embedding output), empty without a draft.
-    taps: tuple[int, ...] = ()
 
     @classmethod
     def build(
@@ -89,18 +83,6 @@ class KimiLayerPlan:
         )
         return cls(layers, bs)
 
-    def with_taps(self, tap_ids: Sequence[int]) -> KimiLayerPlan:
-        """This plan with a draft's taps marked (ids as in `target_layer_ids`)."""
-        taps = tuple(tap_ids)
-        bad = [i for i in taps if not EMBEDDING_TAP <= i < self.num_layers]
-        if bad:
-            raise ValueError(
-                f"tap ids {bad} lie outside {{-1}} and [0, {self.num_layers}) of "
-                "this target"
-            )
-        layers = tuple(replace(layer, tapped=layer.index in taps) for layer in self)
-        return replace(self, layers=layers, taps=taps)
-
     def __iter__(self):
         return iter(self.layers)
 
@@ -127,32 +109,9 @@ class KimiLayerPlan:
     def moe_layers(self) -> frozenset[int]:
         return frozenset(layer.index for layer in self if layer.is_moe)
 
-    @property
-    def block_starts(self) -> tuple[int, ...]:
-        """Layers that bank the running block (AttnRes boundaries)."""
-        return tuple(layer.index for layer in self if layer.opens_block)
-
-    @property
-    def tapped_layers(self) -> tuple[int, ...]:
-        """Decoder layers a draft taps (the embedding tap -1 is not a layer)."""
-        return tuple(layer.index for layer in self if layer.tapped)
-
-    @property
-    def taps_embedding(self) -> bool:
-        return EMBEDDING_TAP in self.taps
-
     def blocks_before(self, layer: int) -> int:
         """Closed AttnRes blocks when `layer` starts; `layer` = L is the final mix."""
         if not 0 <= layer <= self.num_layers:
             raise ValueError(f"layer {layer} outside [0, {self.num_layers}]")
         bs = self.attn_res_block_size
         return 0 if bs is None else _ceil_div(layer, bs)
-
-    @property
-    def pattern(self) -> str:
-        """Two letters per layer: K/M for KDA/MLA, then d/e for dense/MoE, e.g.
-        "Kd Me Ke Me"."""
-        return " ".join(
-            ("K" if layer.is_kda else "M") + ("e" if layer.is_moe else "d")
-            for layer in self
-        )

@@ -116,10 +116,6 @@ class MiniMaxM3TextConfig:
         config.validate(tp_size)
         return config
 
-    @property
-    def has_sparse_layers(self) -> bool:
-        return self.indexer is not None
-
     def validate(self, tp_size: int) -> None:
         if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
             raise ValueError(

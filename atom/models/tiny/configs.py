@@ -1,4 +1,4 @@
-"""config.json contents of the tiny test checkpoints (kimi_k3.md section 6).
+"""config.json contents of the tiny checkpoints (docs/tiny_models.md).
 
 Field names follow the published checkpoints and transformers' `KimiLinearConfig`
 serialisation (`num_experts`, `num_experts_per_token`, `num_shared_experts`,
@@ -14,7 +14,7 @@ _SPECIAL_IDS = {
     key: TOKEN_IDS[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id")
 }
 
-# Widths shared by every tiny target: TINY-K3-8 of the spec.
+# Widths shared by every tiny target (docs/tiny_models.md, "Sizes").
 _COMMON_TEXT = {
     "vocab_size": TINY_VOCAB_SIZE,
     "hidden_size": 128,
@@ -130,7 +130,7 @@ def k3_config(architecture: str) -> dict:
 
 
 def dspark_config(target_text_config: dict) -> dict:
-    """Tiny `K3DSparkModel` draft for a TINY-K3-8 target (dspark.md section 2.1)."""
+    """Tiny `K3DSparkModel` draft for a TINY-K3-8 target (docs/dspark.md)."""
     target = target_text_config
     return {
         "architectures": ["K3DSparkModel"],

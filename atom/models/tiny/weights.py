@@ -5,7 +5,7 @@ config, then materialised. Each tensor draws from its own generator, seeded from
 checkpoint seed and the tensor name, so a tensor does not depend on generation order
 and the K3 draft can reproduce its target's embedding table exactly.
 
-Init rules (kimi_k3.md section 6): projections ~ N(0, 1/fan_in) so activations stay
+Init rules: projections ~ N(0, 1/fan_in) so activations stay
 O(1) through the stack; norms 1 + noise; non-zero AttnRes projections and router
 correction bias; FLA-style `A_log` and `dt_bias`. Everything is float32.
 """
@@ -186,7 +186,7 @@ def k3_specs(cfg: dict) -> list[TensorSpec]:
 
 
 def dspark_specs(cfg: dict, with_embedding: bool) -> list[TensorSpec]:
-    """DSpark draft tensors (dspark.md 2.2); no prefix, no lm_head."""
+    """DSpark draft tensors; no prefix, no lm_head."""
     hidden, vocab, rank = cfg["hidden_size"], cfg["vocab_size"], cfg["markov_rank"]
     taps_width = cfg["num_target_layers"] * cfg["target_hidden_size"]
     specs = [

@@ -20,14 +20,11 @@ writes the context rows of its own KV heads from identical inputs.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
-from typing import Any
 
 import torch
 from torch import nn
 
-from atom.model_ops.activation import SiluAndMul
-from atom.model_ops.gated_mlp import GATE_UP_SHARDS, GatedMLP
+from atom.model_ops.gated_mlp import GATE_UP_SHARDS
 from atom.model_ops.layernorm import RMSNorm
 from atom.model_ops.linear import (
     HeadParallelLinear,
@@ -37,18 +34,16 @@ from atom.model_ops.linear import (
 from atom.model_ops.paged_attention import gqa_attention
 from atom.model_ops.paged_mla import gather_kv, write_kv
 from atom.model_ops.rotary_embedding import RotaryEmbedding
-from atom.models.dspark_base import MarkovHead, SharedEmbeddingDraft
-from atom.models.qwen3_dspark_config import Qwen3DSparkConfig
-from atom.utils.forward_context import ForwardContext, set_forward_context
+from atom.models.dspark_base import DraftAttention, DSparkDraft, DSparkLayer
+from atom.models.minimax_m3.dspark_config import Qwen3DSparkConfig
 
 _QKV = re.compile(r"\.self_attn\.(?P<proj>[qkv])_proj\.weight$")
 _QKV_SHARDS = {"q": 0, "k": 1, "v": 2}
 
 
-class Qwen3DSparkAttention(nn.Module):
+class Qwen3DSparkAttention(DraftAttention):
     def __init__(self, config: Qwen3DSparkConfig, prefix: str) -> None:
-        super().__init__()
-        self.prefix = prefix
+        super().__init__(prefix)
         head_dim = config.head_dim
         self.qkv_proj = HeadParallelLinear(
             config.hidden_size,
@@ -69,17 +64,7 @@ class Qwen3DSparkAttention(nn.Module):
         self.rotary = RotaryEmbedding(head_dim, config.rope_theta, interleaved=False)
         self.scale = head_dim**-0.5
         self.window = config.window
-        # The CacheEngine binds `kv_cache` [num_blocks, block_size, kv_cache_dim].
         self.kv_cache_dim = 2 * self.num_kv_heads * head_dim
-        self.kv_cache: torch.Tensor | None = None
-
-    def _cache(self) -> torch.Tensor:
-        if self.kv_cache is None:
-            raise RuntimeError(
-                f"draft attention {self.prefix!r} has no KV cache; bind one with "
-                "CacheEngine before writing or reading context rows"
-            )
-        return self.kv_cache
 
     def _qkv(
         self, x: torch.Tensor, positions: torch.Tensor
@@ -94,7 +79,7 @@ class Qwen3DSparkAttention(nn.Module):
         self, context: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor
     ) -> None:
         _, rows = self._qkv(context, positions)
-        write_kv(self._cache(), slot_mapping, rows)
+        write_kv(self.cache(), slot_mapping, rows)
 
     def forward(
         self,
@@ -107,7 +92,7 @@ class Qwen3DSparkAttention(nn.Module):
 
         Block KV stays transient: it is attended to, never written.
         """
-        cache = self._cache()
+        cache = self.cache()
         num_seqs = context_lens.shape[0]
         width = x.shape[0] // num_seqs
         q, block_rows = self._qkv(x, positions)
@@ -134,29 +119,7 @@ class Qwen3DSparkAttention(nn.Module):
         return self.o_proj(o.to(x.dtype))
 
 
-class Qwen3DSparkLayer(nn.Module):
-    def __init__(self, config: Qwen3DSparkConfig, prefix: str) -> None:
-        super().__init__()
-        eps = config.rms_norm_eps
-        self.input_layernorm = RMSNorm(config.hidden_size, eps=eps)
-        self.self_attn = Qwen3DSparkAttention(config, f"{prefix}.self_attn")
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=eps)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, SiluAndMul())
-
-    def forward(
-        self,
-        h: torch.Tensor,
-        positions: torch.Tensor,
-        block_tables: torch.Tensor,
-        context_lens: torch.Tensor,
-    ) -> torch.Tensor:
-        h = h + self.self_attn(
-            self.input_layernorm(h), positions, block_tables, context_lens
-        )
-        return h + self.mlp(self.post_attention_layernorm(h))
-
-
-class Qwen3DSpark(SharedEmbeddingDraft):
+class Qwen3DSpark(DSparkDraft):
     """Qwen3DSparkModel: fc over the taps, hidden norm, non-causal sliding-window
     layers, final norm, Markov head.
 
@@ -174,28 +137,23 @@ class Qwen3DSpark(SharedEmbeddingDraft):
     ]
     config_class = Qwen3DSparkConfig
 
-    def __init__(
-        self,
-        draft_config: Mapping[str, Any],
-        target_config: Mapping[str, Any] | None = None,
-    ) -> None:
-        super().__init__()
-        config = self.config_class.from_hf(draft_config)
-        if target_config is not None:
-            config.validate_against_target(target_config)
-        self.config = config
-        self.vocab_size = config.vocab_size
-        self.tap_ids = list(config.target_layer_ids)
-        self.mask_token_id = config.mask_token_id
+    def build(self, config: Qwen3DSparkConfig) -> None:
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.fc = ReplicatedLinear(config.num_taps * config.target_hidden_size, hidden)
         self.hidden_norm = RMSNorm(hidden, eps=eps)
         self.layers = nn.ModuleList(
-            Qwen3DSparkLayer(config, f"layers.{i}")
+            DSparkLayer(config, Qwen3DSparkAttention(config, f"layers.{i}.self_attn"))
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(hidden, eps=eps)
-        self.markov_head = MarkovHead(config.vocab_size, config.markov_rank)
+
+    def project_context(self, taps_concat: torch.Tensor) -> torch.Tensor:
+        """c = hidden_norm(fc(taps))."""
+        return self.hidden_norm(self.fc(taps_concat))
+
+    @property
+    def output_norm(self) -> nn.Module:
+        return self.norm
 
     def map_checkpoint_name(self, name: str) -> tuple[str, object] | None:
         """DFlash / DSpark Qwen3 names, with or without a `model.` prefix."""
@@ -215,55 +173,3 @@ class Qwen3DSpark(SharedEmbeddingDraft):
             if f".{part}." in name:
                 return name.replace(f".{part}.", ".gate_up_proj."), shard
         return name, None
-
-    def write_context_kv(
-        self,
-        taps_concat: torch.Tensor,
-        positions: torch.Tensor,
-        slot_mapping: torch.Tensor,
-    ) -> None:
-        """Write every draft layer's context rows for one target forward.
-
-        taps_concat [N, n_taps * H] in tap order.
-        """
-        expected = self.config.num_taps * self.config.target_hidden_size
-        if taps_concat.dim() != 2 or taps_concat.shape[1] != expected:
-            raise ValueError(
-                f"taps_concat must be [N, {expected}], got {tuple(taps_concat.shape)}"
-            )
-        context = self.hidden_norm(self.fc(taps_concat))
-        for layer in self.layers:
-            layer.self_attn.write_context(context, positions, slot_mapping)
-
-    def block_forward(
-        self,
-        anchor_ids: torch.Tensor,
-        anchor_positions: torch.Tensor,
-        block_tables: torch.Tensor,
-        num_rows: int,
-    ) -> torch.Tensor:
-        """Base logits U [B, T, V] fp32 of the block [x0, m, ..., m].
-
-        anchor_positions[b] is the anchor's own position p+1 (p = the row whose
-        logits produced it); block rows sit at p+1..p+T and see context rows 0..p.
-        """
-        if self.embed_tokens is None or self.lm_head is None:
-            raise RuntimeError(
-                "the draft has no embedding / LM head: call share_with_target first "
-                "(a context-only producer never proposes)"
-            )
-        num_seqs = anchor_ids.shape[0]
-        block_ids = anchor_ids.new_full((num_seqs, num_rows), self.mask_token_id)
-        block_ids[:, 0] = anchor_ids
-        offsets = torch.arange(num_rows, device=anchor_ids.device)
-        positions = (anchor_positions.unsqueeze(1) + offsets).reshape(-1)
-        # is_draft: tap hooks on the shared embedding must not record the block.
-        with set_forward_context(ForwardContext(is_draft=True)):
-            h = self.embed_tokens(block_ids.reshape(-1))
-            for layer in self.layers:
-                h = layer(h, positions, block_tables, anchor_positions)
-            logits = self.lm_head.compute_logits(self.norm(h))
-        return logits.float().view(num_seqs, num_rows, -1)
-
-    def markov_bias(self, prev_ids: torch.Tensor) -> torch.Tensor:
-        return self.markov_head.bias(prev_ids)

@@ -1,4 +1,4 @@
-"""The K3DSparkModel draft config, read and validated (dspark.md 2.1).
+"""The K3DSparkModel draft config, read and validated.
 
 Every width, the tap ids, the mask token and the Markov rank come from the draft's
 config.json; nothing is hard-coded. A draft that does not fit its target (tap
@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from atom.models.dspark_fields import check_matches_target, check_taps_and_mask
 
 DEFAULT_DRAFT_ARCHITECTURE = "K3DSparkModel"
 
@@ -120,23 +122,13 @@ class DSparkDraftConfig:
                 f"num_target_layers={declared} but target_layer_ids lists "
                 f"{self.num_taps} taps {list(self.target_layer_ids)}"
             )
-        ids = self.target_layer_ids
-        if not ids or any(b <= a for a, b in zip(ids, ids[1:])):
-            raise ValueError(
-                f"target_layer_ids {list(ids)} must be non-empty and strictly "
-                "increasing"
-            )
-        bad = [i for i in ids if not -1 <= i < self.target_num_hidden_layers]
-        if bad:
-            raise ValueError(
-                f"target_layer_ids {bad} lie outside {{-1}} and [0, "
-                f"{self.target_num_hidden_layers}) (target_num_hidden_layers)"
-            )
-        if not 0 <= self.mask_token_id < self.vocab_size:
-            raise ValueError(
-                f"mask_token_id {self.mask_token_id} is outside the vocabulary "
-                f"[0, {self.vocab_size})"
-            )
+        check_taps_and_mask(
+            self.target_layer_ids,
+            self.target_num_hidden_layers,
+            "target_num_hidden_layers",
+            self.mask_token_id,
+            self.vocab_size,
+        )
 
     def validate_against_target(self, target: Mapping[str, Any]) -> None:
         """Refuse a draft whose geometry does not match the target text config."""
@@ -151,12 +143,7 @@ class DSparkDraftConfig:
             # The draft embeds with the target table and scores with its LM head.
             ("hidden_size", self.hidden_size, "hidden_size"),
         )
-        for draft_name, value, target_name in checks:
-            if int(_require(target, target_name)) != value:
-                raise ValueError(
-                    f"draft {draft_name}={value} does not match the target's "
-                    f"{target_name}={target[target_name]}"
-                )
+        check_matches_target(checks, target)
         # Draft rows live in the target's MLA pool (same block tables, same width).
         target_latent = int(_require(target, "kv_lora_rank")) + int(
             _require(target, "qk_rope_head_dim")

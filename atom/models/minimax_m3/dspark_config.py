@@ -14,6 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from atom.models.dspark_fields import check_matches_target, check_taps_and_mask
+
 DRAFT_SECTIONS = ("dspark_config", "dflash_config")
 _MISSING = object()
 
@@ -115,24 +117,13 @@ class Qwen3DSparkConfig:
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads={self.num_key_value_heads}"
             )
-        ids = self.target_layer_ids
-        if not ids or any(b <= a for a, b in zip(ids, ids[1:])):
-            raise ValueError(
-                f"target_layer_ids {list(ids)} must be non-empty and strictly "
-                "increasing"
-            )
-        bad = [i for i in ids if not -1 <= i < self.target_num_hidden_layers]
-        if bad:
-            raise ValueError(
-                f"target_layer_ids {bad} lie outside {{-1}} and [0, "
-                f"{self.target_num_hidden_layers}) (num_target_layers, the target's "
-                "depth)"
-            )
-        if not 0 <= self.mask_token_id < self.vocab_size:
-            raise ValueError(
-                f"mask_token_id {self.mask_token_id} is outside the vocabulary "
-                f"[0, {self.vocab_size})"
-            )
+        check_taps_and_mask(
+            self.target_layer_ids,
+            self.target_num_hidden_layers,
+            "num_target_layers, the target's depth",
+            self.mask_token_id,
+            self.vocab_size,
+        )
 
     def validate_against_target(self, target: Mapping[str, Any]) -> None:
         """Refuse a draft whose geometry does not match the target text config."""
@@ -141,9 +132,4 @@ class Qwen3DSparkConfig:
             ("vocab_size", self.vocab_size, "vocab_size"),
             ("num_target_layers", self.target_num_hidden_layers, "num_hidden_layers"),
         )
-        for draft_name, value, target_name in checks:
-            if target.get(target_name) != value:
-                raise ValueError(
-                    f"draft {draft_name}={value} does not match the target's "
-                    f"{target_name}={target.get(target_name)}"
-                )
+        check_matches_target(checks, target)
