@@ -28,11 +28,19 @@ from atom.model_ops.sampling_metadata import SamplingMetadata
 from atom.models.registry import check_pp_support, draft_tap_ids
 from atom.models.utils import IntermediateTensors, language_model_of
 from atom.spec_decode.drafter import Drafter
+from atom.spec_decode.dspark_drafter import KDA_ROLLBACK_MODE
 from atom.spec_decode.factory import build_drafter
 from atom.spec_decode.pp_aux_relay import AUX_KEY, PPAuxRelay
 from atom.utils.forward_context import ForwardContext, set_forward_context
 
 logger = logging.getLogger(__name__)
+
+# Start-up markers with fixed wording: CI counts them in the server log
+# (scripts/ci/server_log.py). The relay line comes once per TP rank of every stage
+# that arms taps for the next one, the rollback line once per rank whose KDA layers
+# keep per-row snapshots for speculation: 4 and 8 lines at pp2 x tp4 for Kimi-K3.
+RELAY_MARKER = "[PPAuxRelay]"
+KDA_ROLLBACK_MARKER = "[KDA rollback]"
 
 # KV cache budget on CPU, where there is no device memory to measure.
 CPU_KV_BUDGET_BYTES = 1 << 30
@@ -73,7 +81,7 @@ class ModelRunner:
         spec = self.config.speculative_config
         if spec is None or self.pp.world_size == 1:
             return None
-        return PPAuxRelay(
+        relay = PPAuxRelay(
             language_model_of(self.model).model,
             draft_tap_ids(spec.draft_hf_config),
             int(self.config.hf_config.text["hidden_size"]),
@@ -81,6 +89,12 @@ class ModelRunner:
             self.device,
             self.dtype,
         )
+        if relay.arms_taps:
+            logger.info("%s %s: %s", RELAY_MARKER, self._rank_label(), relay.describe())
+        return relay
+
+    def _rank_label(self) -> str:
+        return f"pp_rank {self.pp.rank_in_group} tp_rank {get_tp_group().rank_in_group}"
 
     @property
     def has_recurrent_state(self) -> bool:
@@ -107,6 +121,16 @@ class ModelRunner:
 
     def allocate_caches(self, num_blocks: int) -> None:
         self.cache = self._cache_engine(num_blocks, self.limits.num_state_slots)
+        num_spec = self.limits.num_speculative_tokens
+        if num_spec and self.cache.state_layers:
+            logger.info(
+                "%s %s: %s of %d KDA layers, %d rows per state slot",
+                KDA_ROLLBACK_MARKER,
+                self._rank_label(),
+                KDA_ROLLBACK_MODE,
+                len(self.cache.state_layers),
+                num_spec + 1,
+            )
         if self._can_capture_graphs():
             self.graphs = self._capture_graphs()
 

@@ -12,8 +12,6 @@ drafter never runs in the target forward, so it must never count as tap -1.
 
 from __future__ import annotations
 
-import logging
-
 import torch
 from torch import nn
 
@@ -23,8 +21,6 @@ from atom.spec_decode.aux_capture import (
     TapCapture,
     allocate_tap_buffers,
 )
-
-logger = logging.getLogger(__name__)
 
 AUX_KEY = "aux_hidden_states"
 
@@ -105,14 +101,17 @@ class PPAuxRelay:
             )
             self.buffers = dict(zip(self.own, buffers))
             self.capture = TapCapture(target_model, self.buffers)
-            logger.info(
-                "[PPAuxRelay layers %d:%d] capturing taps %s, receiving %s, sending %s",
-                self.start,
-                self.end,
-                self.own,
-                self.incoming,
-                self.outgoing,
-            )
+
+    @property
+    def arms_taps(self) -> bool:
+        """Whether this stage hooks taps of its own for the next stage."""
+        return self.capture is not None
+
+    def describe(self) -> str:
+        return (
+            f"layers {self.start}:{self.end}, capturing taps {self.own}, receiving "
+            f"{self.incoming}, sending {self.outgoing}"
+        )
 
     def _check_received(self, received: torch.Tensor | None, num_tokens: int) -> None:
         if not self.incoming:

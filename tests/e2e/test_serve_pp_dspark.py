@@ -2,8 +2,10 @@
 
 The server runs as a real subprocess with its eight rank processes. Its greedy
 completions, plain and streamed chat, must equal the offline pp1 engine without
-speculation; its metrics must report the drafter; SIGTERM must stop it cleanly,
-rank processes included.
+speculation; its metrics must report the drafter; its log must carry the start-up
+markers the accuracy gate counts (4 relay and 8 KDA rollback lines, as ROCm/ATOM
+PR #3023 saw at this layout) and no missing-weight line; SIGTERM must stop it
+cleanly, rank processes included.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import pytest
 
 from atom.distributed.rank_process import free_port
 from atom.sampling_params import SamplingParams
+from scripts.ci.server_log import scan_log
 from tests.e2e.pp_probe import make_engine, one_torch_thread
 from tests.process_helpers import child_pids, is_running
 
@@ -125,5 +128,13 @@ def test_serve_pp2_tp4_dspark_answers_like_offline_pp1(offline, tmp_path):
     assert 'spec_decode_draft_tokens_total{model_name="tiny-kimi-k3"}' in metrics
     assert "spec_decode_acceptance_rate" in metrics
     assert code == 0, log.read_text()[-3000:]
+    scan = scan_log(log.read_text())
+    assert scan.marker_counts() == {"relay": 4, "kda_rollback": 8}
+    assert scan.missing_weight_lines == []
+    # The cumulative line logged at shutdown matches the counters served above.
+    assert (scan.acceptance.accepted, scan.acceptance.drafted) == (
+        stats["total_accepted_tokens"],
+        stats["total_draft_tokens"],
+    )
     assert len(ranks) >= 8  # the eight rank processes (plus any helper)
     assert not [pid for pid in ranks if is_running(pid)]

@@ -1,0 +1,1 @@
+"""Repository scripts (not part of the installed package)."""

@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# The CPU accuracy job: lm-eval against a real `atom serve` of the trained tiny Kimi-K3.
+#
+#   bash scripts/ci/accuracy_cpu.sh [OUT_DIR]        (default: accuracy_cpu)
+#
+# lm-eval's own local-completions model runs the kjv_next_word task
+# (scripts/ci/tasks/kjv_next_word.yaml: held-out verses shipped in the repository,
+# no download) twice, each time against a server started by scripts/ci/serve.sh:
+# target-only at pp1 x tp1, then with the DSpark draft (T = 7) at pp2 x tp2.
+# Gates (scripts/ci/gate.py):
+#   - both scores reach twice the chance level the task states;
+#   - the DSpark score equals the target-only score (greedy speculation is lossless);
+#   - DSpark acceptance reaches the recorded figure minus 2 points
+#     (.github/accuracy/tiny_reference.json);
+#   - start-up markers: 2 relay and 4 KDA rollback lines at pp2 x tp2, none without
+#     speculation; no missing-weight line in either log.
+# Needs the [eval] extra. Logs, lm-eval results and gate summaries land in OUT_DIR.
+set -euo pipefail
+
+cd "$(dirname "$0")/../.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+python="${PYTHON:-python}"
+out="${1:-accuracy_cpu}"
+
+tiny_path() {
+  "$python" -c 'import sys; from atom.models.tiny import resolve_model_path as r
+print(r(sys.argv[1]))' "$1"
+}
+model="$(tiny_path tiny-kimi-k3)"
+draft="$(tiny_path tiny-kimi-k3-dspark)"
+num_docs="$("$python" -c 'import sys; sys.path.insert(0, "scripts/ci/tasks")
+from kjv_next_word import held_out_verses, next_word_docs
+print(len(next_word_docs(held_out_verses())))')"
+port="$("$python" -c 'from atom.distributed.rank_process import free_port
+print(free_port())')"
+
+evaluate() {
+  local name="$1" flags="$2" dir="$out/$1" start
+  rm -rf "$dir"
+  mkdir -p "$dir"
+  start="$(date +%s)"
+  bash scripts/ci/serve.sh --port "$port" --log "$dir/server.log" \
+    --mtp-stats "$dir/mtp_stats.json" --ready-timeout 600 \
+    --serve-args "--model $model --device cpu $flags" -- \
+    "$python" -m scripts.ci.watchdog --log "$dir/server.log" --idle 180 --limit 900 -- \
+    "$python" -m lm_eval --model local-completions \
+    --model_args "model=$model,base_url=http://127.0.0.1:$port/v1/completions,num_concurrent=64,max_retries=3,tokenized_requests=False,trust_remote_code=True" \
+    --include_path scripts/ci/tasks --tasks kjv_next_word \
+    --output_path "$dir/lm_eval" --log_samples
+  echo "accuracy_cpu: $name served and evaluated in $(($(date +%s) - start)) s"
+}
+
+evaluate target ""
+evaluate dspark "-pp 2 -tp 2 --method dspark --draft-model $draft --num-speculative-tokens 7"
+
+common=(--task kjv_next_word --metric "exact_match,first-word" --num-fewshot 0
+  --num-samples "$num_docs" --min-over-chance 2)
+status=0
+"$python" -m scripts.ci.gate --name "tiny-kimi-k3 target-only pp1 x tp1" \
+  --results "$out/target/lm_eval" "${common[@]}" \
+  --server-log "$out/target/server.log" --mtp-stats "$out/target/mtp_stats.json" \
+  --expect-marker relay=0 --expect-marker kda_rollback=0 \
+  --summary "$out/target/gate.json" || status=1
+"$python" -m scripts.ci.gate --name "tiny-kimi-k3 DSpark pp2 x tp2" \
+  --results "$out/dspark/lm_eval" "${common[@]}" \
+  --same-score-as "$out/target/lm_eval" \
+  --acceptance-reference .github/accuracy/tiny_reference.json \
+  --server-log "$out/dspark/server.log" --mtp-stats "$out/dspark/mtp_stats.json" \
+  --expect-marker relay=2 --expect-marker kda_rollback=4 \
+  --summary "$out/dspark/gate.json" || status=1
+exit "$status"
