@@ -19,8 +19,8 @@ import pytest
 from atom.models.tiny.configs import k3_text_config
 from atom.models.utils import get_pp_indices
 from atom.sampling_params import SamplingParams
+from tests.e2e.engine_helpers import NUM_PLAIN_TOKENS
 from tests.e2e.pp_probe import (
-    NUM_PLAIN_TOKENS,
     PAIRS,
     Recorder,
     generate_ids,

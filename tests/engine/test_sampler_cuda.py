@@ -16,7 +16,7 @@ from atom.model_engine.step_sampler import StepSampler
 from atom.model_ops.rejection_sampler import verify_drafts
 from atom.model_ops.sampler import sample_tokens
 from atom.model_ops.sampling_metadata import SamplingMetadata
-from atom.models.kimi_k3.dspark import MarkovHead
+from atom.models.dspark_base import MarkovHead
 from atom.spec_decode.draft_output import DraftOutput
 from atom.spec_decode.markov_head import markov_decode
 
