@@ -117,10 +117,12 @@ def teach_draft(
 ) -> str:
     """A copy of `draft` whose Markov head predicts most transitions of `chains`.
 
-    W1[p] = 1000 * W2[n] for a transition p -> n (W2 rows unit vectors) dominates
-    the base logits, while every `skip_every`-th transition is left out: those
-    drafts come from the base logits (so from the relayed taps), which makes
-    partially accepted blocks certain on any prompts, trained draft or not. Everything but the two Markov tables is the original checkpoint.
+    W1[p] = 1000 * W2[n] for a transition p -> n dominates the base logits, while
+    every `skip_every`-th transition is left out: those drafts come from the base
+    logits (so from the relayed taps), which makes partially accepted blocks certain
+    on any prompts, trained draft or not. W2 has random unit rows for the taught next
+    tokens only (zeros elsewhere), so in a low Markov rank the taught tokens still
+    stand apart. Everything but the two Markov tables is the original checkpoint.
     """
     source = Path(resolve_model_path(draft))
     out_dir = Path(out_dir)
@@ -128,13 +130,15 @@ def teach_draft(
     tensors = load_file(source / "model.safetensors")
     w1 = tensors["markov_head.markov_w1.weight"].clone()
     vocab, rank = w1.shape
-    gen = torch.Generator().manual_seed(0)
-    w2 = F.normalize(torch.randn(vocab, rank, generator=gen), dim=-1)
     taught: dict[int, int] = {}
     for chain in chains:
         for i, (prev, nxt) in enumerate(zip(chain, chain[1:])):
             if i % skip_every != skip_every - 1 and prev not in taught:
                 taught[prev] = nxt
+    gen = torch.Generator().manual_seed(0)
+    w2 = torch.zeros(vocab, rank)
+    targets = sorted(set(taught.values()))
+    w2[targets] = F.normalize(torch.randn(len(targets), rank, generator=gen), dim=-1)
     for prev, nxt in taught.items():
         bias = w2 @ w2[nxt]
         runner_up = bias.topk(2).values[1]
