@@ -11,7 +11,7 @@ from atom.model_engine.cache_engine import CacheEngine
 from atom.model_engine.model_inputs import prepare_inputs
 from atom.model_loader.loader import load_weights
 from atom.models.registry import get_model_class
-from atom.models.tiny.configs import k3_text_config
+from atom.models.tiny.configs import k3_text_config, kimi_linear_config
 from atom.models.utils import IntermediateTensors
 from atom.utils.forward_context import ForwardContext, set_forward_context
 
@@ -70,6 +70,37 @@ def logits_of(model: nn.Module, works: list[SeqWork]) -> torch.Tensor:
 
 
 @torch.no_grad()
+def assert_greedy_decode_matches(
+    reference: nn.Module,
+    model: nn.Module,
+    prompt: list[int],
+    new_tokens: int,
+    tol: dict,
+) -> None:
+    """Prefill `prompt`, then decode `new_tokens` greedily one token at a time, the
+    transformers `reference` through its own cache and atom's `model` through freshly
+    bound caches: logits agree within `tol` at every step, and so do the tokens."""
+    bind_caches(model)
+    out = reference(torch.tensor([prompt]), use_cache=True)
+    cache, ref_logits = out.cache, out.logits[0, -1]
+    atom_logits = logits_of(model, [work(prompt)])[-1]
+    ref_tokens, atom_tokens = [], []
+    for step in range(new_tokens):
+        torch.testing.assert_close(atom_logits, ref_logits, **tol)
+        ref_tokens.append(int(ref_logits.argmax()))
+        atom_tokens.append(int(atom_logits.argmax()))
+        if atom_tokens != ref_tokens:
+            break
+        token = ref_tokens[-1]
+        out = reference(torch.tensor([[token]]), cache=cache, use_cache=True)
+        cache, ref_logits = out.cache, out.logits[0, -1]
+        atom_logits = logits_of(model, [work([token], len(prompt) + step)])[0]
+    assert atom_tokens == ref_tokens
+    assert len(atom_tokens) == new_tokens
+    assert len(set(atom_tokens)) > 1, "a constant continuation would prove little"
+
+
+@torch.no_grad()
 def randomize(model: nn.Module, seed: int) -> None:
     """Seeded weights of a transformers Kimi model: O(1) activations, norms and
     router bias away from their trivial init; A_log and dt_bias keep the FLA init."""
@@ -86,6 +117,15 @@ def randomize(model: nn.Module, seed: int) -> None:
             tensor.copy_(noise)
         elif tensor.dim() >= 2:
             tensor.copy_(noise / tensor.shape[-1] ** 0.5)
+
+
+def transformers_tiny_kl_config(q_lora_rank: int | None):
+    """TINY-KL (atom/models/tiny/configs.py) as transformers' `KimiLinearConfig`, with
+    `q_lora_rank` chosen per case and eager attention (no hub kernels)."""
+    from transformers import KimiLinearConfig
+
+    text = dict(kimi_linear_config(), q_lora_rank=q_lora_rank)
+    return KimiLinearConfig(**text, attn_implementation="eager")
 
 
 def k3_full_size_text() -> dict:
