@@ -26,7 +26,6 @@ from atom.models.tiny import resolve_model_path
 from atom.models.tiny.configs import TOKEN_IDS
 from atom.models.utils import PPMissingLayer, language_model_of
 from atom.spec_decode.dspark_drafter import DSparkDrafter, check_shared_embedding
-from tests.e2e.pp_probe import one_torch_thread
 
 TARGET, DRAFT, NO_EMBED = (
     "tiny-minimax-m3",
@@ -36,12 +35,7 @@ TARGET, DRAFT, NO_EMBED = (
 T, BLOCK_SIZE, WINDOW = 4, 4, 8
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    # Tiny ops gain nothing from threads; on a loaded machine OpenMP spinning made
-    # these forwards up to 100x slower.
-    with one_torch_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("single_thread_torch")
 
 
 def make_config(draft: str = DRAFT, **kwargs) -> Config:

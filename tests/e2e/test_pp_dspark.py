@@ -32,7 +32,6 @@ from tests.e2e.pp_probe import (
     embedding_facts,
     generate_ids,
     make_engine,
-    one_torch_thread,
 )
 
 PROMPTS = corpus_prompts()
@@ -56,10 +55,7 @@ class Reference:
     loaded: dict[str, int]  # parameters the pp1 loader accounted for
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    with one_torch_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("single_thread_torch")
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,6 @@ import torch
 
 from atom.models.tiny.minimax import minimax_text_config
 from atom.models.utils import language_model_of
-from tests.e2e.pp_probe import one_torch_thread
 from tests.models.kimi_helpers import (
     assert_greedy_decode_matches,
     bind_caches,
@@ -34,12 +33,7 @@ NEW_TOKENS = 24
 DENSE_TOPK = 64  # more blocks than any prompt here has
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    # Tiny ops gain nothing from threads; on a loaded machine OpenMP spinning made
-    # these forwards up to 100x slower.
-    with one_torch_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("single_thread_torch")
 
 
 def reference_config(text: dict):

@@ -8,7 +8,6 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
@@ -31,16 +30,6 @@ ENGINE_SETTINGS = dict(device="cpu", max_model_len=256, block_size=BLOCK_SIZE)
 # The tiny vocabularies end with bos / eos / pad / mask; prompts use plain tokens.
 NUM_PLAIN_TOKENS = min(TOKEN_IDS.values())
 EOS = TOKEN_IDS["eos_token_id"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The tiny models run per-sequence loops of small ops, which two OpenMP threads
-    on a shared 2-core machine slow down many times over."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
 
 
 def random_tokens(rng: random.Random, count: int) -> list[int]:
