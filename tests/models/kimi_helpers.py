@@ -119,6 +119,27 @@ def randomize(model: nn.Module, seed: int) -> None:
             tensor.copy_(noise / tensor.shape[-1] ** 0.5)
 
 
+# Tiny widths as `KimiLinearConfig` keywords, for cases that keep transformers'
+# defaults everywhere else; num_key_value_heads must match the head count, which
+# transformers' default (32) does not.
+TRANSFORMERS_TINY_WIDTHS = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    moe_intermediate_size=32,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    kv_lora_rank=16,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+TRANSFORMERS_TINY_KDA_WIDTHS = {"num_heads": 4, "head_dim": 16}
+
+
 def transformers_tiny_kl_config(q_lora_rank: int | None):
     """TINY-KL (atom/models/tiny/configs.py) as transformers' `KimiLinearConfig`, with
     `q_lora_rank` chosen per case and eager attention (no hub kernels)."""
