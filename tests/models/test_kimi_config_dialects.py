@@ -153,7 +153,9 @@ def test_absent_fields_take_transformers_defaults():
     assert config.num_shared_experts == 1 and config.routed_scaling_factor == 2.446
     assert config.conv_kernel_size == 4
     # No schedule at all: MLA at every fourth layer after layer 0, layer 0 dense.
-    assert config.plan.pattern == "Kd Ke Ke Ke Me Ke"
+    plan = config.plan
+    assert plan.num_layers == 6 and plan.mla_layers == {4}
+    assert plan.moe_layers == {1, 2, 3, 4, 5}
 
 
 def with_changes(base: dict, **changes) -> dict:
