@@ -18,12 +18,19 @@ from atom.utils.forward_context import ForwardContext, set_forward_context
 BLOCK_SIZE = 4
 
 
-def build_target(model: str, **config_kwargs) -> tuple[nn.Module, Config]:
-    """The registry's class for `model`, built for this process's ranks and loaded."""
-    config = Config(model=model, **config_kwargs)
+def target_of(config: Config, load: bool = True) -> nn.Module:
+    """The registry's class for `config.model`, built for this process's ranks and
+    (unless `load` is False) loaded."""
     target = get_model_class(config.hf_config.architecture)(config)
-    load_weights(target, config.model)
-    return target.eval(), config
+    if load:
+        load_weights(target, config.model)
+    return target.eval()
+
+
+def build_target(model: str, **config_kwargs) -> tuple[nn.Module, Config]:
+    """`target_of` a `Config(model=model, **config_kwargs)`, loaded."""
+    config = Config(model=model, **config_kwargs)
+    return target_of(config), config
 
 
 def bind_caches(

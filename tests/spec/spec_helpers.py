@@ -13,12 +13,14 @@ from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
 from atom import LLMEngine, SamplingParams
+from atom.config import Config
 from atom.model_ops.sampling_metadata import SamplingMetadata
 from atom.models.tiny import resolve_model_path
 from atom.models.tiny.configs import TOKEN_IDS
 from atom.models.tiny.excerpt import held_out_prompts
 from atom.models.tiny.tokenizer import TOKENIZER_FILE
 from atom.spec_decode.draft_output import DraftOutput
+from atom.spec_decode.dspark_drafter import DSparkDrafter
 
 # target -> its distilled tiny draft
 PAIRS = {
@@ -30,6 +32,13 @@ ENGINE_SETTINGS = dict(device="cpu", max_model_len=256, block_size=BLOCK_SIZE)
 # The tiny vocabularies end with bos / eos / pad / mask; prompts use plain tokens.
 NUM_PLAIN_TOKENS = min(TOKEN_IDS.values())
 EOS = TOKEN_IDS["eos_token_id"]
+
+
+def loaded_drafter(config: Config, target: torch.nn.Module) -> DSparkDrafter:
+    """`config`'s DSpark drafter, its draft loaded and bound to `target`."""
+    drafter = DSparkDrafter(config)
+    drafter.load_model(target)
+    return drafter
 
 
 def random_tokens(rng: random.Random, count: int) -> list[int]:
