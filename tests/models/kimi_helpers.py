@@ -1,4 +1,5 @@
-"""Shared helpers of the Kimi target tests: build, load, bind caches, run rows."""
+"""What the target-model tests (Kimi, MiniMax-M3) share: build, load, bind caches,
+run rows, transformers oracles, PP embedding placements."""
 
 from __future__ import annotations
 
@@ -16,6 +17,16 @@ from atom.models.utils import IntermediateTensors
 from atom.utils.forward_context import ForwardContext, set_forward_context
 
 BLOCK_SIZE = 4
+# Where a target builds `embed_tokens` under PP: (pp_rank, pp_size, method, kv_role,
+# whether the table is real). The last stage holds it only for an embedding-sharing
+# drafter, never on a context-only producer or a middle stage.
+EMBEDDING_PLACEMENTS = [
+    (1, 2, "dspark", "none", True),  # last stage feeding the DSpark drafter
+    (1, 2, None, "none", False),  # last stage, no speculation
+    (1, 2, "dspark", "kv_producer", False),  # a producer proposes nothing
+    (1, 3, "dspark", "none", False),  # middle stage
+    (0, 2, None, "none", True),  # first stage
+]
 
 
 def target_of(config: Config, load: bool = True) -> nn.Module:
