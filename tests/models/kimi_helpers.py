@@ -156,6 +156,17 @@ TRANSFORMERS_TINY_WIDTHS = dict(
     eos_token_id=2,
 )
 TRANSFORMERS_TINY_KDA_WIDTHS = {"num_heads": 4, "head_dim": 16}
+# q-LoRA, MLA first, every layer MoE: the schedule transformers' defaults never give.
+TRANSFORMERS_MLA_FIRST_ALL_MOE = dict(
+    num_hidden_layers=4,
+    q_lora_rank=32,
+    linear_attn_config={
+        **TRANSFORMERS_TINY_KDA_WIDTHS,
+        "kda_layers": [2, 4],
+        "full_attn_layers": [1, 3],
+    },
+    first_k_dense_replace=0,
+)
 
 
 def transformers_tiny_kl_config(q_lora_rank: int | None):

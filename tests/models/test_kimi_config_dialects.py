@@ -16,6 +16,7 @@ import pytest
 from atom.models.kimi_k3.config import KimiTextConfig
 from atom.models.tiny.configs import k3_text_config, kimi_linear_config
 from tests.models.kimi_helpers import (
+    TRANSFORMERS_MLA_FIRST_ALL_MOE,
     TRANSFORMERS_TINY_KDA_WIDTHS,
     TRANSFORMERS_TINY_WIDTHS,
 )
@@ -30,15 +31,7 @@ CASES = {
         linear_attn_config=TRANSFORMERS_TINY_KDA_WIDTHS,
     ),
     "layer_lists_all_moe": dict(
-        TRANSFORMERS_TINY_WIDTHS,
-        num_hidden_layers=4,
-        q_lora_rank=32,
-        linear_attn_config={
-            **TRANSFORMERS_TINY_KDA_WIDTHS,
-            "kda_layers": [2, 4],
-            "full_attn_layers": [1, 3],
-        },
-        first_k_dense_replace=0,
+        TRANSFORMERS_TINY_WIDTHS, **TRANSFORMERS_MLA_FIRST_ALL_MOE
     ),
     "explicit_types": dict(
         TRANSFORMERS_TINY_WIDTHS,

@@ -15,6 +15,7 @@ import torch
 
 from atom import LLMEngine, SamplingParams
 from tests.models.kimi_helpers import (
+    TRANSFORMERS_MLA_FIRST_ALL_MOE,
     TRANSFORMERS_TINY_KDA_WIDTHS,
     TRANSFORMERS_TINY_WIDTHS,
     randomize,
@@ -36,16 +37,7 @@ CASES = {
         num_hidden_layers=5, linear_attn_config=TRANSFORMERS_TINY_KDA_WIDTHS
     ),
     # q-LoRA, MLA first, every layer MoE.
-    "q_lora_mla_first_all_moe": dict(
-        num_hidden_layers=4,
-        q_lora_rank=32,
-        linear_attn_config={
-            **TRANSFORMERS_TINY_KDA_WIDTHS,
-            "kda_layers": [2, 4],
-            "full_attn_layers": [1, 3],
-        },
-        first_k_dense_replace=0,
-    ),
+    "q_lora_mla_first_all_moe": TRANSFORMERS_MLA_FIRST_ALL_MOE,
     # Schedules given as transformers' type lists; two dense layers; grouped routing.
     "type_lists_two_dense_grouped": dict(
         num_hidden_layers=4,
