@@ -13,19 +13,23 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from atom.config import Config, HFConfig, load_hf_config
-from atom.distributed.parallel_state import build_parallel_state
+from atom.distributed.parallel_state import build_parallel_state, get_pp_group
 from atom.model_engine.batch import SeqWork
 from atom.model_engine.cache_engine import CacheEngine
 from atom.model_engine.model_inputs import prepare_inputs
+from atom.model_engine.model_runner import ModelRunner
 from atom.model_loader.loader import WeightLoadingError, load_weights, parameter_bytes
+from atom.models.kimi_k3 import model as kimi_model
 from atom.models.kimi_k3.dspark import KimiK3DSpark
-from atom.models.registry import get_model_class
+from atom.models.minimax_m3 import model as minimax_model
+from atom.models.minimax_m3.dspark import Qwen3DSpark
 from atom.models.tiny import resolve_model_path
 from atom.models.utils import PPMissingLayer, language_model_of
 from atom.spec_decode.dspark_drafter import DSparkDrafter, check_shared_embedding
 from atom.spec_decode.factory import build_drafter
 from atom.utils.forward_context import ForwardContext, set_forward_context
-from tests.spec.spec_helpers import propose_on_host
+from tests.models.kimi_helpers import target_of
+from tests.spec.spec_helpers import loaded_drafter, propose_on_host
 from tests.toy_target import ToyCausalLM
 
 TARGET, K3_DRAFT, K31_DRAFT = (
@@ -37,9 +41,9 @@ T, BLOCK_SIZE = 3, 4
 PROMPT = [5, 77, 301, 9, 640, 12, 999, 58, 410, 3]
 
 
-def make_config(draft: str = K3_DRAFT, **kwargs) -> Config:
+def make_config(draft: str = K3_DRAFT, model: str = TARGET, **kwargs) -> Config:
     return Config(
-        model=TARGET,
+        model=model,
         method="dspark",
         draft_model=draft,
         num_speculative_tokens=T,
@@ -49,30 +53,17 @@ def make_config(draft: str = K3_DRAFT, **kwargs) -> Config:
     )
 
 
-def build_target(config: Config, load: bool = True) -> nn.Module:
-    target = get_model_class(config.hf_config.architecture)(config)
-    if load:
-        load_weights(target, config.model)
-    return target.eval()
-
-
-def loaded_drafter(config: Config, target: nn.Module) -> DSparkDrafter:
-    drafter = DSparkDrafter(config)
-    drafter.load_model(target)
-    return drafter
-
-
 @pytest.fixture(scope="module")
 def pp1():
     config = make_config()
-    target = build_target(config)
+    target = target_of(config)
     return config, target, loaded_drafter(config, target)
 
 
 @pytest.mark.parametrize("draft", [K3_DRAFT, K31_DRAFT])
 def test_draft_loads_and_shares_the_target_objects(draft):
     config = make_config(draft)
-    target = build_target(config, load=False)
+    target = target_of(config, load=False)
     drafter = loaded_drafter(config, target)
     model, lm = drafter.model, target.language_model
     assert model.embed_tokens is lm.model.embed_tokens
@@ -91,10 +82,10 @@ def test_draft_loads_and_shares_the_target_objects(draft):
 
 def test_skip_weight_prefixes_is_one_class_level_list():
     config = make_config()
-    drafters = [loaded_drafter(config, build_target(config, load=False))]
+    drafters = [loaded_drafter(config, target_of(config, load=False))]
     with build_parallel_state(pp_rank=1, pp_size=2):
         pp_config = make_config(pipeline_parallel_size=2)
-        drafters.append(loaded_drafter(pp_config, build_target(pp_config, load=False)))
+        drafters.append(loaded_drafter(pp_config, target_of(pp_config, load=False)))
     prefixes = KimiK3DSpark.skip_weight_prefixes
     assert type(prefixes) is list
     assert prefixes == ["confidence_head.", "embed_tokens.", "lm_head."]
@@ -136,24 +127,74 @@ def test_missing_unknown_or_misshapen_draft_tensor_raises(tmp_path, edit, messag
         load_weights(draft, folder)
 
 
-def test_share_binds_a_placeholder_then_the_check_refuses_it():
-    # A last stage without speculation holds no embedding (pp_holds_embedding).
+@pytest.mark.parametrize(
+    "target, draft, draft_class",
+    [
+        (TARGET, K3_DRAFT, KimiK3DSpark),
+        ("tiny-minimax-m3", "tiny-minimax-m3-dspark", Qwen3DSpark),
+    ],
+    ids=["kimi-k3", "minimax-m3"],
+)
+def test_share_binds_a_placeholder_then_the_check_refuses_it(
+    target, draft, draft_class
+):
+    """A last stage without speculation holds no table (pp_holds_embedding); the
+    real share_with_target reads model.vocab_size (an AttributeError on
+    num_embeddings would hide this), binds the placeholder, and
+    check_shared_embedding refuses it."""
     with build_parallel_state(pp_rank=1, pp_size=2):
-        config = Config(model=TARGET, pipeline_parallel_size=2)
-        lm = language_model_of(build_target(config, load=False))
+        config = Config(model=target, pipeline_parallel_size=2)
+        lm = language_model_of(target_of(config, load=False))
     assert isinstance(lm.model.embed_tokens, PPMissingLayer)
-    draft = KimiK3DSpark(load_hf_config(resolve_model_path(K3_DRAFT)))
-    draft.share_with_target(lm)  # reads model.vocab_size, never num_embeddings
-    assert draft.embed_tokens is lm.model.embed_tokens
+    model = draft_class(load_hf_config(resolve_model_path(draft)))
+    model.share_with_target(lm)
+    assert model.embed_tokens is lm.model.embed_tokens
     with pytest.raises(TypeError, match="pp_holds_embedding") as info:
-        check_shared_embedding(draft)
+        check_shared_embedding(model)
     assert "pp_speculative_methods" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "target, draft, target_module, settings",
+    [
+        ("tiny-kimi-k31", K31_DRAFT, kimi_model, {}),
+        (
+            "tiny-minimax-m3",
+            "tiny-minimax-m3-dspark-no-embed",
+            minimax_model,
+            {"num_kvcache_blocks": 8},
+        ),
+    ],
+    ids=["kimi-k31", "minimax-m3"],
+)
+def test_reverted_placement_is_refused_at_start_up(
+    monkeypatch, target, draft, target_module, settings
+):
+    """With the last stage's table reverted to a placeholder, start-up stops at
+    check_shared_embedding's TypeError, not at an AttributeError on the way."""
+    config = make_config(
+        draft, model=target, pipeline_parallel_size=2, device="cpu", **settings
+    )
+    cpu = torch.device("cpu")
+    with build_parallel_state(pp_rank=1, pp_size=2):
+        runner = ModelRunner(config, cpu)  # the real placement builds and binds
+        base = language_model_of(runner.model).model
+        assert runner.drafter.model.embed_tokens is base.embed_tokens
+        monkeypatch.setattr(
+            target_module,
+            "pp_holds_embedding",
+            lambda cfg: get_pp_group().is_first_rank,
+        )
+        with pytest.raises(TypeError) as error:
+            ModelRunner(config, cpu)
+    message = str(error.value)
+    assert "pp_speculative_methods" in message and "pp_holds_embedding" in message
 
 
 def test_pp_last_stage_shares_a_real_table_and_never_hooks_it():
     with build_parallel_state(pp_rank=1, pp_size=2):
         config = make_config(pipeline_parallel_size=2)
-        target = build_target(config, load=False)
+        target = target_of(config, load=False)
         drafter = loaded_drafter(config, target)
     base = target.language_model.model
     assert not isinstance(base.embed_tokens, PPMissingLayer)
@@ -195,7 +236,7 @@ def test_producer_skips_share_and_check_but_validates_vocab():
     # A producer's last stage builds no table: a check would raise here.
     with build_parallel_state(pp_rank=1, pp_size=2):
         config = make_config(pipeline_parallel_size=2, kv_role="kv_producer")
-        target = build_target(config, load=False)
+        target = target_of(config, load=False)
         drafter = loaded_drafter(config, target)
     assert isinstance(target.language_model.model.embed_tokens, PPMissingLayer)
     assert drafter.model.embed_tokens is None and drafter.model.lm_head is None
@@ -288,7 +329,7 @@ def test_drafter_requires_a_draft_and_defaults_the_architecture():
     spec.draft_hf_config = HFConfig(
         {k: v for k, v in spec.draft_hf_config.items() if k != "architectures"}
     )
-    drafter = loaded_drafter(config, build_target(config, load=False))
+    drafter = loaded_drafter(config, target_of(config, load=False))
     assert drafter.architecture == "K3DSparkModel"
     assert isinstance(drafter.model, KimiK3DSpark)
 

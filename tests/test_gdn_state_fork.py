@@ -26,7 +26,6 @@ from tests.e2e.pp_probe import (
     generate_ids,
     kda_states,
     make_engine,
-    one_torch_thread,
     teach_draft,
 )
 
@@ -55,10 +54,7 @@ def cold_state(prompt: list[int]) -> dict:
     return states
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    with one_torch_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("single_thread_torch")
 
 
 @pytest.fixture(scope="module")

@@ -14,52 +14,15 @@ import torch
 
 from atom.models.kimi_k3.hf_names import to_checkpoint_names
 from atom.models.tiny import resolve_model_path
-from atom.models.tiny.configs import TINY_VOCAB_SIZE, TOKEN_IDS, kimi_linear_config
+from atom.models.tiny.configs import TOKEN_IDS, kimi_linear_config
 from atom.models.tiny.weights import kimi_linear_specs
+from tests.models.kimi_helpers import transformers_tiny_kl_config
 from tests.reference.k3_golden import GoldenModel
 
 # transformers would otherwise try hub kernels; it runs its pure-torch fallbacks.
 os.environ["USE_HUB_KERNELS"] = "0"
 TRANSFORMERS_MLA_NORM_EPS = 1e-6  # transformers hard-codes the q_a/kv_a norm eps
 SEQ_LEN = 70  # crosses transformers' 64-token KDA chunk
-
-
-def _kimi_linear_config(q_lora_rank):
-    from transformers import KimiLinearConfig
-
-    return KimiLinearConfig(
-        vocab_size=TINY_VOCAB_SIZE,
-        hidden_size=128,
-        intermediate_size=256,
-        moe_intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        q_lora_rank=q_lora_rank,
-        kv_lora_rank=32,
-        qk_nope_head_dim=32,
-        qk_rope_head_dim=16,
-        v_head_dim=32,
-        num_local_experts=8,
-        num_experts_per_tok=2,
-        n_shared_experts=1,
-        n_group=4,
-        topk_group=2,
-        routed_scaling_factor=2.446,
-        hidden_act="silu",
-        linear_attn_config={
-            "num_heads": 4,
-            "head_dim": 32,
-            "short_conv_kernel_size": 4,
-            "kda_layers": [1, 3],
-            "full_attn_layers": [2, 4],
-        },
-        first_k_dense_replace=1,
-        pad_token_id=TOKEN_IDS["pad_token_id"],
-        bos_token_id=TOKEN_IDS["bos_token_id"],
-        eos_token_id=TOKEN_IDS["eos_token_id"],
-        attn_implementation="eager",
-    )
 
 
 def _randomize(module: torch.nn.Module, seed: int) -> None:
@@ -103,7 +66,9 @@ def _transformers_forward(model, ids):
 def saved_transformers_model(request, tmp_path_factory):
     from transformers import KimiLinearForCausalLM
 
-    model = KimiLinearForCausalLM(_kimi_linear_config(request.param)).float().eval()
+    model = (
+        KimiLinearForCausalLM(transformers_tiny_kl_config(request.param)).float().eval()
+    )
     _randomize(model, seed=7)
     path = tmp_path_factory.mktemp("hf_kimi_linear")
     model.save_pretrained(path)

@@ -15,18 +15,16 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from atom.config import Config, load_hf_config
-from atom.distributed.parallel_state import build_parallel_state, get_pp_group
+from atom.distributed.parallel_state import build_parallel_state
 from atom.model_engine.cache_engine import CacheEngine
-from atom.model_engine.model_runner import ModelRunner
 from atom.model_loader.loader import WeightLoadingError, load_weights
-from atom.models.minimax_m3 import model as minimax_model
 from atom.models.minimax_m3.dspark import Qwen3DSpark
-from atom.models.registry import draft_tap_ids, get_model_class
+from atom.models.registry import draft_tap_ids
 from atom.models.tiny import resolve_model_path
 from atom.models.tiny.configs import TOKEN_IDS
 from atom.models.utils import PPMissingLayer, language_model_of
-from atom.spec_decode.dspark_drafter import DSparkDrafter, check_shared_embedding
-from tests.e2e.pp_probe import one_torch_thread
+from tests.models.kimi_helpers import target_of
+from tests.spec.spec_helpers import loaded_drafter
 
 TARGET, DRAFT, NO_EMBED = (
     "tiny-minimax-m3",
@@ -36,12 +34,7 @@ TARGET, DRAFT, NO_EMBED = (
 T, BLOCK_SIZE, WINDOW = 4, 4, 8
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    # Tiny ops gain nothing from threads; on a loaded machine OpenMP spinning made
-    # these forwards up to 100x slower.
-    with one_torch_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("single_thread_torch")
 
 
 def make_config(draft: str = DRAFT, **kwargs) -> Config:
@@ -56,23 +49,10 @@ def make_config(draft: str = DRAFT, **kwargs) -> Config:
     )
 
 
-def build_target(config: Config, load: bool = True) -> torch.nn.Module:
-    target = get_model_class(config.hf_config.architecture)(config)
-    if load:
-        load_weights(target, config.model)
-    return target.eval()
-
-
-def loaded_drafter(config: Config, target: torch.nn.Module) -> DSparkDrafter:
-    drafter = DSparkDrafter(config)
-    drafter.load_model(target)
-    return drafter
-
-
 @pytest.mark.parametrize("draft", [DRAFT, NO_EMBED])
 def test_draft_binds_the_target_objects_and_skips_its_copies(draft):
     config = make_config(draft)
-    target = build_target(config, load=False)
+    target = target_of(config, load=False)
     drafter = loaded_drafter(config, target)
     model, lm = drafter.model, language_model_of(target)
     assert isinstance(model, Qwen3DSpark)
@@ -88,27 +68,10 @@ def test_draft_binds_the_target_objects_and_skips_its_copies(draft):
     assert "skip_weight_prefixes" not in vars(model)
 
 
-def test_real_share_with_a_placeholder_table_then_the_check_raises():
-    """A last stage without speculation holds no table; the real share_with_target
-    reads model.vocab_size (an AttributeError on num_embeddings would hide this),
-    binds the placeholder, and check_shared_embedding refuses it."""
-    with build_parallel_state(pp_rank=1, pp_size=2):
-        lm = language_model_of(
-            build_target(Config(model=TARGET, pipeline_parallel_size=2), load=False)
-        )
-    assert isinstance(lm.model.embed_tokens, PPMissingLayer)
-    draft = Qwen3DSpark(load_hf_config(resolve_model_path(DRAFT)))
-    draft.share_with_target(lm)
-    assert draft.embed_tokens is lm.model.embed_tokens
-    with pytest.raises(TypeError, match="pp_holds_embedding") as info:
-        check_shared_embedding(draft)
-    assert "pp_speculative_methods" in str(info.value)
-
-
 def test_pp_last_stage_shares_a_real_table_and_hooks_only_resident_taps():
     with build_parallel_state(pp_rank=1, pp_size=2):
         config = make_config(pipeline_parallel_size=2)
-        target = build_target(config, load=False)
+        target = target_of(config, load=False)
         drafter = loaded_drafter(config, target)
     base = language_model_of(target).model
     assert not isinstance(base.embed_tokens, PPMissingLayer)
@@ -120,7 +83,7 @@ def test_pp_last_stage_shares_a_real_table_and_hooks_only_resident_taps():
 def test_producer_binds_nothing():
     with build_parallel_state(pp_rank=1, pp_size=2):
         config = make_config(pipeline_parallel_size=2, kv_role="kv_producer")
-        target = build_target(config, load=False)
+        target = target_of(config, load=False)
         drafter = loaded_drafter(config, target)
     assert isinstance(language_model_of(target).model.embed_tokens, PPMissingLayer)
     assert drafter.model.embed_tokens is None and drafter.model.lm_head is None
@@ -235,7 +198,7 @@ def reference_block_logits(w, taps, context_len, anchor, embed, head, window):
 @pytest.fixture(scope="module")
 def pp1():
     config = make_config()
-    target = build_target(config)
+    target = target_of(config)
     drafter = loaded_drafter(config, target)
     CacheEngine([target, drafter.model], 16, BLOCK_SIZE, 2, 0, "cpu", torch.float32)
     return target, drafter
@@ -279,23 +242,3 @@ def test_block_pass_matches_the_reference_and_honours_the_window(pp1):
         weights, taps, context_len, anchor, embed, head, WINDOW
     )
     torch.testing.assert_close(block(), expected, atol=1e-4, rtol=1e-4)
-
-
-def test_reverted_placement_is_refused_at_start_up(monkeypatch):
-    """With MiniMax's last-stage table reverted to a placeholder, start-up stops at
-    check_shared_embedding's TypeError, not at an AttributeError on the way."""
-    config = make_config(
-        NO_EMBED, pipeline_parallel_size=2, device="cpu", num_kvcache_blocks=8
-    )
-    cpu = torch.device("cpu")
-    with build_parallel_state(pp_rank=1, pp_size=2):
-        runner = ModelRunner(config, cpu)  # the real placement builds and binds
-        base = language_model_of(runner.model).model
-        assert runner.drafter.model.embed_tokens is base.embed_tokens
-        monkeypatch.setattr(
-            minimax_model, "pp_holds_embedding", lambda c: get_pp_group().is_first_rank
-        )
-        with pytest.raises(TypeError) as error:
-            ModelRunner(config, cpu)
-    message = str(error.value)
-    assert "pp_speculative_methods" in message and "pp_holds_embedding" in message

@@ -6,10 +6,8 @@ they live at module level (they must pickle) and return numpy or plain data.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -40,19 +38,6 @@ SETTINGS = dict(
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
 PAIRS = {"k3": ("tiny-kimi-k3", "tiny-kimi-k3-dspark"),
          "k31": ("tiny-kimi-k31", "tiny-kimi-k31-dspark")}  # fmt: skip
-
-
-@contextlib.contextmanager
-def one_torch_thread() -> Iterator[None]:
-    """In-process engines as the rank processes run them: one intra-op thread.
-    The tiny ops gain nothing from threads, and on a loaded two-core machine two
-    threads per process make a pp1 run many times slower."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(saved)
 
 
 def corpus_prompts(lengths=(9, 26, 45, 70)) -> list[list[int]]:

@@ -14,12 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
-import torch
 
-from atom.config import Config
-from atom.distributed.parallel_state import build_parallel_state, get_pp_group
-from atom.model_engine.model_runner import ModelRunner
-from atom.models.kimi_k3 import model as kimi_model
 from atom.models.tiny.configs import k3_text_config
 from atom.models.utils import get_pp_indices
 from atom.sampling_params import SamplingParams
@@ -32,7 +27,6 @@ from tests.e2e.pp_probe import (
     embedding_facts,
     generate_ids,
     make_engine,
-    one_torch_thread,
 )
 
 PROMPTS = corpus_prompts()
@@ -56,10 +50,7 @@ class Reference:
     loaded: dict[str, int]  # parameters the pp1 loader accounted for
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    with one_torch_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("single_thread_torch")
 
 
 @pytest.fixture(scope="module")
@@ -203,28 +194,3 @@ def test_producer_writes_draft_context_for_every_chunk_without_proposing(referen
         # A context row for every prompt position, i.e. from every chunk.
         assert np.all(np.abs(producer_layer).sum(axis=-1) > 0)
         np.testing.assert_array_equal(producer_layer, normal_layer)
-
-
-def test_reverted_placement_is_refused_at_start_up(monkeypatch):
-    """With the last stage's table reverted to a placeholder, start-up stops at
-    check_shared_embedding's TypeError, not at an AttributeError on the way."""
-    config = Config(
-        model=PAIRS["k31"][0],
-        method="dspark",
-        draft_model=PAIRS["k31"][1],
-        num_speculative_tokens=7,
-        pipeline_parallel_size=2,
-        device="cpu",
-        max_num_batched_tokens=32,
-    )
-    cpu = torch.device("cpu")
-    with build_parallel_state(pp_rank=1, pp_size=2):
-        runner = ModelRunner(config, cpu)  # the real placement builds and binds
-        assert runner.drafter.model.embed_tokens is not None
-        monkeypatch.setattr(
-            kimi_model, "pp_holds_embedding", lambda cfg: get_pp_group().is_first_rank
-        )
-        with pytest.raises(TypeError) as error:
-            ModelRunner(config, cpu)
-    message = str(error.value)
-    assert "pp_speculative_methods" in message and "pp_holds_embedding" in message

@@ -24,7 +24,6 @@ from tests.e2e.pp_probe import (
     embedding_facts,
     generate_ids,
     make_engine,
-    one_torch_thread,
     teach_draft,
 )
 
@@ -49,10 +48,7 @@ class Reference:
     acceptance: float
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    with one_torch_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("single_thread_torch")
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ import pytest
 from atom.distributed.rank_process import free_port
 from atom.sampling_params import SamplingParams
 from scripts.ci.server_log import scan_log
-from tests.e2e.pp_probe import make_engine, one_torch_thread
+from tests.e2e.pp_probe import make_engine
 from tests.process_helpers import child_pids, is_running
 
 PROMPT = "List all prime numbers below 30."
@@ -62,10 +62,7 @@ def wait_healthy(proc: subprocess.Popen, url: str, log: Path) -> None:
     raise AssertionError(f"server not healthy in {STARTUP_TIMEOUT_S} s")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    with one_torch_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("single_thread_torch")
 
 
 @pytest.fixture(scope="module")

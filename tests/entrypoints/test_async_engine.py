@@ -8,7 +8,6 @@ import asyncio
 import logging
 
 import pytest
-import torch
 
 from atom import LLMEngine, SamplingParams
 from atom.entrypoints.openai.async_engine import AsyncEngine, RequestFailedError
@@ -37,15 +36,7 @@ def exploding_params() -> SamplingParams:
 
 
 @pytest.fixture(scope="module")
-def one_thread():
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
-
-
-@pytest.fixture(scope="module")
-def engine(one_thread):
+def engine(single_thread_torch):
     engine = LLMEngine("tiny-kimi-k3", **SETTINGS)
     yield engine
     engine.close()
@@ -59,7 +50,7 @@ def test_failed_stop_check_fails_only_its_request(engine):
     assert len(result["token_ids"]) == 5
 
 
-def test_async_engine_survives_requests_that_fail(one_thread):
+def test_async_engine_survives_requests_that_fail(single_thread_torch):
     async_engine = AsyncEngine(lambda: LLMEngine("tiny-kimi-k3", **SETTINGS)).start()
     try:
 

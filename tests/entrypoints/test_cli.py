@@ -7,14 +7,18 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_generate(*flags: str) -> str:
-    done = subprocess.run(
+def generate_process(*flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
         [sys.executable, "-m", "atom.entrypoints.cli", "generate", *flags],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
         timeout=180,
     )
+
+
+def run_generate(*flags: str) -> str:
+    done = generate_process(*flags)
     assert done.returncode == 0, done.stderr
     return done.stdout
 
@@ -70,12 +74,6 @@ def test_bad_sampling_values_are_clean_errors():
         (["--seed", "1e23"], "--seed: expected an integer"),
         (["--top-k", "0"], "top_k must be -1 (off) or >= 1"),
     ]:
-        done = subprocess.run(
-            [sys.executable, "-m", "atom.entrypoints.cli", "generate", *flags],
-            cwd=REPO_ROOT,
-            capture_output=True,
-            text=True,
-            timeout=180,
-        )
+        done = generate_process(*flags)
         assert done.returncode != 0 and message in done.stderr, done.stderr
         assert "Traceback" not in done.stderr

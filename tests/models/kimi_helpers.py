@@ -1,4 +1,5 @@
-"""Shared helpers of the Kimi target tests: build, load, bind caches, run rows."""
+"""What the target-model tests (Kimi, MiniMax-M3) share: build, load, bind caches,
+run rows, transformers oracles, PP embedding placements."""
 
 from __future__ import annotations
 
@@ -11,19 +12,36 @@ from atom.model_engine.cache_engine import CacheEngine
 from atom.model_engine.model_inputs import prepare_inputs
 from atom.model_loader.loader import load_weights
 from atom.models.registry import get_model_class
-from atom.models.tiny.configs import k3_text_config
+from atom.models.tiny.configs import k3_text_config, kimi_linear_config
 from atom.models.utils import IntermediateTensors
 from atom.utils.forward_context import ForwardContext, set_forward_context
 
 BLOCK_SIZE = 4
+# Where a target builds `embed_tokens` under PP: (pp_rank, pp_size, method, kv_role,
+# whether the table is real). The last stage holds it only for an embedding-sharing
+# drafter, never on a context-only producer or a middle stage.
+EMBEDDING_PLACEMENTS = [
+    (1, 2, "dspark", "none", True),  # last stage feeding the DSpark drafter
+    (1, 2, None, "none", False),  # last stage, no speculation
+    (1, 2, "dspark", "kv_producer", False),  # a producer proposes nothing
+    (1, 3, "dspark", "none", False),  # middle stage
+    (0, 2, None, "none", True),  # first stage
+]
+
+
+def target_of(config: Config, load: bool = True) -> nn.Module:
+    """The registry's class for `config.model`, built for this process's ranks and
+    (unless `load` is False) loaded."""
+    target = get_model_class(config.hf_config.architecture)(config)
+    if load:
+        load_weights(target, config.model)
+    return target.eval()
 
 
 def build_target(model: str, **config_kwargs) -> tuple[nn.Module, Config]:
-    """The registry's class for `model`, built for this process's ranks and loaded."""
+    """`target_of` a `Config(model=model, **config_kwargs)`, loaded."""
     config = Config(model=model, **config_kwargs)
-    target = get_model_class(config.hf_config.architecture)(config)
-    load_weights(target, config.model)
-    return target.eval(), config
+    return target_of(config), config
 
 
 def bind_caches(
@@ -70,6 +88,37 @@ def logits_of(model: nn.Module, works: list[SeqWork]) -> torch.Tensor:
 
 
 @torch.no_grad()
+def assert_greedy_decode_matches(
+    reference: nn.Module,
+    model: nn.Module,
+    prompt: list[int],
+    new_tokens: int,
+    tol: dict,
+) -> None:
+    """Prefill `prompt`, then decode `new_tokens` greedily one token at a time, the
+    transformers `reference` through its own cache and atom's `model` through freshly
+    bound caches: logits agree within `tol` at every step, and so do the tokens."""
+    bind_caches(model)
+    out = reference(torch.tensor([prompt]), use_cache=True)
+    cache, ref_logits = out.cache, out.logits[0, -1]
+    atom_logits = logits_of(model, [work(prompt)])[-1]
+    ref_tokens, atom_tokens = [], []
+    for step in range(new_tokens):
+        torch.testing.assert_close(atom_logits, ref_logits, **tol)
+        ref_tokens.append(int(ref_logits.argmax()))
+        atom_tokens.append(int(atom_logits.argmax()))
+        if atom_tokens != ref_tokens:
+            break
+        token = ref_tokens[-1]
+        out = reference(torch.tensor([[token]]), cache=cache, use_cache=True)
+        cache, ref_logits = out.cache, out.logits[0, -1]
+        atom_logits = logits_of(model, [work([token], len(prompt) + step)])[0]
+    assert atom_tokens == ref_tokens
+    assert len(atom_tokens) == new_tokens
+    assert len(set(atom_tokens)) > 1, "a constant continuation would prove little"
+
+
+@torch.no_grad()
 def randomize(model: nn.Module, seed: int) -> None:
     """Seeded weights of a transformers Kimi model: O(1) activations, norms and
     router bias away from their trivial init; A_log and dt_bias keep the FLA init."""
@@ -86,6 +135,47 @@ def randomize(model: nn.Module, seed: int) -> None:
             tensor.copy_(noise)
         elif tensor.dim() >= 2:
             tensor.copy_(noise / tensor.shape[-1] ** 0.5)
+
+
+# Tiny widths as `KimiLinearConfig` keywords, for cases that keep transformers'
+# defaults everywhere else; num_key_value_heads must match the head count, which
+# transformers' default (32) does not.
+TRANSFORMERS_TINY_WIDTHS = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    moe_intermediate_size=32,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    kv_lora_rank=16,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+TRANSFORMERS_TINY_KDA_WIDTHS = {"num_heads": 4, "head_dim": 16}
+# q-LoRA, MLA first, every layer MoE: the schedule transformers' defaults never give.
+TRANSFORMERS_MLA_FIRST_ALL_MOE = dict(
+    num_hidden_layers=4,
+    q_lora_rank=32,
+    linear_attn_config={
+        **TRANSFORMERS_TINY_KDA_WIDTHS,
+        "kda_layers": [2, 4],
+        "full_attn_layers": [1, 3],
+    },
+    first_k_dense_replace=0,
+)
+
+
+def transformers_tiny_kl_config(q_lora_rank: int | None):
+    """TINY-KL (atom/models/tiny/configs.py) as transformers' `KimiLinearConfig`, with
+    `q_lora_rank` chosen per case and eager attention (no hub kernels)."""
+    from transformers import KimiLinearConfig
+
+    text = dict(kimi_linear_config(), q_lora_rank=q_lora_rank)
+    return KimiLinearConfig(**text, attn_implementation="eager")
 
 
 def k3_full_size_text() -> dict:

@@ -14,7 +14,12 @@ from atom.model_loader.loader import load_weights
 from atom.model_ops.embed_head import VocabParallelEmbedding
 from atom.models.kimi_k3.model import KimiK3ForConditionalGeneration, KimiLinearModel
 from atom.models.utils import PPMissingLayer
-from tests.models.kimi_helpers import bind_caches, forward_rows, work
+from tests.models.kimi_helpers import (
+    EMBEDDING_PLACEMENTS,
+    bind_caches,
+    forward_rows,
+    work,
+)
 
 TARGET, DRAFT = "tiny-kimi-k3", "tiny-kimi-k3-dspark"
 
@@ -30,14 +35,7 @@ def k3_config(pp: int, method: str | None = None, kv_role: str = "none") -> Conf
 
 
 @pytest.mark.parametrize(
-    "pp_rank, pp_size, method, kv_role, real",
-    [
-        (1, 2, "dspark", "none", True),  # last stage feeding the DSpark drafter
-        (1, 2, None, "none", False),  # last stage, no speculation
-        (1, 2, "dspark", "kv_producer", False),  # a producer proposes nothing
-        (1, 3, "dspark", "none", False),  # middle stage
-        (0, 2, None, "none", True),  # first stage
-    ],
+    "pp_rank, pp_size, method, kv_role, real", EMBEDDING_PLACEMENTS
 )
 def test_embedding_placement(pp_rank, pp_size, method, kv_role, real):
     config = k3_config(pp_size, method, kv_role)

@@ -15,39 +15,26 @@ import pytest
 
 from atom.models.kimi_k3.config import KimiTextConfig
 from atom.models.tiny.configs import k3_text_config, kimi_linear_config
-from tests.models.test_kimi_k3_mono_plan import pattern
+from tests.models.kimi_helpers import (
+    TRANSFORMERS_MLA_FIRST_ALL_MOE,
+    TRANSFORMERS_TINY_KDA_WIDTHS,
+    TRANSFORMERS_TINY_WIDTHS,
+)
 
 transformers = pytest.importorskip("transformers")
 
-TINY = dict(
-    vocab_size=512,
-    hidden_size=64,
-    intermediate_size=128,
-    moe_intermediate_size=32,
-    num_attention_heads=4,
-    num_key_value_heads=4,  # transformers' default (32) only fits 32 heads
-    kv_lora_rank=16,
-    qk_nope_head_dim=16,
-    qk_rope_head_dim=8,
-    v_head_dim=16,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-)
-LAC = {"num_heads": 4, "head_dim": 16}
-
 CASES = {
     "all_defaults": {},
-    "default_schedule": dict(TINY, num_hidden_layers=9, linear_attn_config=LAC),
+    "default_schedule": dict(
+        TRANSFORMERS_TINY_WIDTHS,
+        num_hidden_layers=9,
+        linear_attn_config=TRANSFORMERS_TINY_KDA_WIDTHS,
+    ),
     "layer_lists_all_moe": dict(
-        TINY,
-        num_hidden_layers=4,
-        q_lora_rank=32,
-        linear_attn_config={**LAC, "kda_layers": [2, 4], "full_attn_layers": [1, 3]},
-        first_k_dense_replace=0,
+        TRANSFORMERS_TINY_WIDTHS, **TRANSFORMERS_MLA_FIRST_ALL_MOE
     ),
     "explicit_types": dict(
-        TINY,
+        TRANSFORMERS_TINY_WIDTHS,
         num_hidden_layers=4,
         layer_types=[
             "linear_attention",
@@ -61,9 +48,12 @@ CASES = {
         linear_conv_kernel_dim=3,
     ),
     "other_spellings": dict(
-        TINY,
+        TRANSFORMERS_TINY_WIDTHS,
         num_hidden_layers=3,
-        linear_attn_config={**LAC, "short_conv_kernel_size": 2},
+        linear_attn_config={
+            **TRANSFORMERS_TINY_KDA_WIDTHS,
+            "short_conv_kernel_size": 2,
+        },
         num_local_experts=8,
         num_experts_per_tok=3,
         n_shared_experts=2,
@@ -156,7 +146,9 @@ def test_absent_fields_take_transformers_defaults():
     assert config.num_shared_experts == 1 and config.routed_scaling_factor == 2.446
     assert config.conv_kernel_size == 4
     # No schedule at all: MLA at every fourth layer after layer 0, layer 0 dense.
-    assert pattern(config.plan) == "Kd Ke Ke Ke Me Ke"
+    plan = config.plan
+    assert plan.num_layers == 6 and plan.mla_layers == {4}
+    assert plan.moe_layers == {1, 2, 3, 4, 5}
 
 
 def with_changes(base: dict, **changes) -> dict:

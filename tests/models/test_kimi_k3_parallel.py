@@ -5,8 +5,6 @@ tp=1 run's state at that layer (the tap p_out and the AttnRes bank, bit for bit)
 end in the same logits. Two steps run: a prefill batch, then decode + a prefill chunk.
 """
 
-from contextlib import contextmanager
-
 import pytest
 import torch
 
@@ -72,37 +70,25 @@ def rank_run(rank: int, splits: tuple) -> list[dict]:
     return outputs
 
 
-@contextmanager
-def single_thread():
-    # Ranks run one thread each; the reference must too for bit-equal comparisons.
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(saved)
-
-
 @pytest.fixture(scope="module")
-def reference():
+def reference(single_thread_torch):
     """tp=1 / pp=1 logits, plus p_out and the bank after every layer, per step."""
-    with single_thread():
-        model, _ = build_target(MODEL)
-        layers = language_model_of(model).model.layers
-        states: dict[int, tuple] = {}
-        for index, layer in enumerate(layers):
-            layer.register_forward_hook(
-                lambda mod, args, out, i=index: states.__setitem__(
-                    i, (mod.aux_hidden_state(out), out[2])
-                )
+    model, _ = build_target(MODEL)
+    layers = language_model_of(model).model.layers
+    states: dict[int, tuple] = {}
+    for index, layer in enumerate(layers):
+        layer.register_forward_hook(
+            lambda mod, args, out, i=index: states.__setitem__(
+                i, (mod.aux_hidden_state(out), out[2])
             )
-        result = run_steps(model)
-        per_step = []
-        bind_caches(model)
-        for seqs in steps():
-            states.clear()
-            forward_rows(model, seqs)
-            per_step.append(dict(states))
+        )
+    result = run_steps(model)
+    per_step = []
+    bind_caches(model)
+    for seqs in steps():
+        states.clear()
+        forward_rows(model, seqs)
+        per_step.append(dict(states))
     return result["logits"], per_step
 
 

@@ -14,50 +14,30 @@ import pytest
 import torch
 
 from atom import LLMEngine, SamplingParams
-from tests.models.kimi_helpers import randomize
+from tests.models.kimi_helpers import (
+    TRANSFORMERS_MLA_FIRST_ALL_MOE,
+    TRANSFORMERS_TINY_KDA_WIDTHS,
+    TRANSFORMERS_TINY_WIDTHS,
+    randomize,
+)
 
 os.environ["USE_HUB_KERNELS"] = "0"
 transformers = pytest.importorskip("transformers")
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
 
-VOCAB = 512
+VOCAB = TRANSFORMERS_TINY_WIDTHS["vocab_size"]
 PROMPT_LEN, NEW_TOKENS, NUM_PROMPTS = 12, 16, 3
-# Sizes only; every other field keeps transformers' default. num_key_value_heads
-# must match the head count, which transformers' default (32) does not.
-SIZES = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=128,
-    moe_intermediate_size=32,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    kv_lora_rank=16,
-    qk_nope_head_dim=16,
-    qk_rope_head_dim=8,
-    v_head_dim=16,
-    num_local_experts=8,
-    num_experts_per_tok=2,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-)
-KDA_WIDTHS = {"num_heads": 4, "head_dim": 16}
+# Sizes only; every other field keeps transformers' default.
+SIZES = dict(TRANSFORMERS_TINY_WIDTHS, num_local_experts=8, num_experts_per_tok=2)
 
 CASES = {
     # transformers' own schedule (MLA at layer 4) and dense-first default, q_proj.
-    "default_schedule_q_proj": dict(num_hidden_layers=5, linear_attn_config=KDA_WIDTHS),
-    # q-LoRA, MLA first, every layer MoE.
-    "q_lora_mla_first_all_moe": dict(
-        num_hidden_layers=4,
-        q_lora_rank=32,
-        linear_attn_config={
-            **KDA_WIDTHS,
-            "kda_layers": [2, 4],
-            "full_attn_layers": [1, 3],
-        },
-        first_k_dense_replace=0,
+    "default_schedule_q_proj": dict(
+        num_hidden_layers=5, linear_attn_config=TRANSFORMERS_TINY_KDA_WIDTHS
     ),
+    # q-LoRA, MLA first, every layer MoE.
+    "q_lora_mla_first_all_moe": TRANSFORMERS_MLA_FIRST_ALL_MOE,
     # Schedules given as transformers' type lists; two dense layers; grouped routing.
     "type_lists_two_dense_grouped": dict(
         num_hidden_layers=4,

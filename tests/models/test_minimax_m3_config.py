@@ -26,6 +26,7 @@ from atom.models.tiny.configs import TINY_VOCAB_SIZE
 from atom.models.tiny.minimax import minimax_text_config
 from atom.models.utils import PPMissingLayer, get_pp_indices
 from atom.spec_decode.pp_aux_relay import PPAuxRelay
+from tests.models.kimi_helpers import EMBEDDING_PLACEMENTS
 
 TARGET, DRAFT = "tiny-minimax-m3", "tiny-minimax-m3-dspark"
 
@@ -143,14 +144,7 @@ def test_registry_serves_minimax_and_its_m31_alias(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "pp_rank, pp_size, method, kv_role, real",
-    [
-        (1, 2, "dspark", "none", True),  # last stage feeding the DSpark drafter
-        (1, 2, None, "none", False),  # last stage, no speculation
-        (1, 2, "dspark", "kv_producer", False),  # a producer proposes nothing
-        (1, 3, "dspark", "none", False),  # middle stage
-        (0, 2, None, "none", True),  # first stage
-    ],
+    "pp_rank, pp_size, method, kv_role, real", EMBEDDING_PLACEMENTS
 )
 def test_embedding_placement(pp_rank, pp_size, method, kv_role, real):
     config = Config(

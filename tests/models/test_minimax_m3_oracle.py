@@ -15,8 +15,13 @@ import torch
 
 from atom.models.tiny.minimax import minimax_text_config
 from atom.models.utils import language_model_of
-from tests.e2e.pp_probe import one_torch_thread
-from tests.models.kimi_helpers import bind_caches, build_target, logits_of, work
+from tests.models.kimi_helpers import (
+    assert_greedy_decode_matches,
+    bind_caches,
+    build_target,
+    logits_of,
+    work,
+)
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("transformers.models.minimax_m3_vl")
@@ -28,12 +33,7 @@ NEW_TOKENS = 24
 DENSE_TOPK = 64  # more blocks than any prompt here has
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    # Tiny ops gain nothing from threads; on a loaded machine OpenMP spinning made
-    # these forwards up to 100x slower.
-    with one_torch_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("single_thread_torch")
 
 
 def reference_config(text: dict):
@@ -149,23 +149,7 @@ def test_chunked_prefill_matches(folders, atom_model):
 @torch.no_grad()
 def test_decode_and_greedy_continuation_match(folders, atom_model):
     reference, _, _ = folders
-    bind_caches(atom_model)
-    out = reference(torch.tensor([PROMPT]), use_cache=True)
-    cache, ref_logits = out.cache, out.logits[0, -1]
-    atom_logits = logits_of(atom_model, [work(PROMPT)])[-1]
-    ref_tokens, atom_tokens = [], []
-    for step in range(NEW_TOKENS):
-        torch.testing.assert_close(atom_logits, ref_logits, **TOL)
-        ref_tokens.append(int(ref_logits.argmax()))
-        atom_tokens.append(int(atom_logits.argmax()))
-        if atom_tokens != ref_tokens:
-            break
-        token = ref_tokens[-1]
-        out = reference(torch.tensor([[token]]), cache=cache, use_cache=True)
-        cache, ref_logits = out.cache, out.logits[0, -1]
-        atom_logits = logits_of(atom_model, [work([token], len(PROMPT) + step)])[0]
-    assert atom_tokens == ref_tokens
-    assert len(set(atom_tokens)) > 1, "a constant continuation would prove little"
+    assert_greedy_decode_matches(reference, atom_model, PROMPT, NEW_TOKENS, TOL)
 
 
 @torch.no_grad()

@@ -8,18 +8,19 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
 from atom import LLMEngine, SamplingParams
+from atom.config import Config
 from atom.model_ops.sampling_metadata import SamplingMetadata
 from atom.models.tiny import resolve_model_path
 from atom.models.tiny.configs import TOKEN_IDS
 from atom.models.tiny.excerpt import held_out_prompts
 from atom.models.tiny.tokenizer import TOKENIZER_FILE
 from atom.spec_decode.draft_output import DraftOutput
+from atom.spec_decode.dspark_drafter import DSparkDrafter
 
 # target -> its distilled tiny draft
 PAIRS = {
@@ -33,14 +34,11 @@ NUM_PLAIN_TOKENS = min(TOKEN_IDS.values())
 EOS = TOKEN_IDS["eos_token_id"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The tiny models run per-sequence loops of small ops, which two OpenMP threads
-    on a shared 2-core machine slow down many times over."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+def loaded_drafter(config: Config, target: torch.nn.Module) -> DSparkDrafter:
+    """`config`'s DSpark drafter, its draft loaded and bound to `target`."""
+    drafter = DSparkDrafter(config)
+    drafter.load_model(target)
+    return drafter
 
 
 def random_tokens(rng: random.Random, count: int) -> list[int]:

@@ -18,12 +18,13 @@ from atom.models.tiny import resolve_model_path
 from tests.spec.spec_helpers import (
     PAIRS,
     force_drafts,
-    one_thread,  # noqa: F401  (autouse fixture)
     random_tokens,
     runner_of,
     spec_engine,
     target_engine,
 )
+
+pytestmark = pytest.mark.usefixtures("single_thread_torch")
 
 T = 7
 RIGHT = 3

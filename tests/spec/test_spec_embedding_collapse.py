@@ -11,16 +11,18 @@ table. The later drafts, which read the block's embedded rows, lose most of thei
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from atom import SamplingParams
 from atom.model_ops.embed_head import VocabParallelEmbedding
 from tests.spec.spec_helpers import (
     corpus_tokens,
-    one_thread,  # noqa: F401  (autouse fixture)
     runner_of,
     spec_engine,
 )
+
+pytestmark = pytest.mark.usefixtures("single_thread_torch")
 
 TARGET = "tiny-kimi-k31"
 T = 7

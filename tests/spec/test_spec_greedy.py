@@ -23,11 +23,12 @@ from tests.spec.spec_helpers import (
     corpus_tokens,
     eos_target,
     force_drafts,
-    one_thread,  # noqa: F401  (autouse fixture)
     random_tokens,
     spec_engine,
     target_engine,
 )
+
+pytestmark = pytest.mark.usefixtures("single_thread_torch")
 
 EOS_INDEX = 10
 EOS_FIRST = 6  # eos comes as token 6 or later of this prompt's continuation

@@ -28,10 +28,11 @@ from atom.model_ops.sampler import probs_for
 from atom.utils.forward_context import ForwardContext, set_forward_context
 from tests.spec.spec_helpers import (
     BLOCK_SIZE,
-    one_thread,  # noqa: F401  (autouse fixture)
     spec_engine,
 )
 from tools.prefill import load_model
+
+pytestmark = pytest.mark.usefixtures("single_thread_torch")
 
 TARGET = "tiny-kimi-k3"
 PROMPT = [17, 404, 911, 268, 5]

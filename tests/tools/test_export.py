@@ -6,10 +6,11 @@ import pytest
 import torch
 
 from atom.models.tiny import build
-from tests.spec.spec_helpers import one_thread  # noqa: F401  (autouse fixture)
 from tools import fit_draft
 from tools.export import export_checkpoint
 from tools.prefill import load_model
+
+pytestmark = pytest.mark.usefixtures("single_thread_torch")
 
 
 def _write(name: str, folder, tensors) -> None:

@@ -12,11 +12,12 @@ import torch
 
 from atom.model_engine.cache_engine import CacheEngine
 from atom.models.tiny import resolve_model_path
-from tests.spec.spec_helpers import one_thread  # noqa: F401  (autouse fixture)
 from tools import fit_draft
 from tools.draft_objective import block_logits, teacher_forced_logits
 from tools.export import export_checkpoint
 from tools.prefill import load_model
+
+pytestmark = pytest.mark.usefixtures("single_thread_torch")
 
 TARGET = "tiny-kimi-k3"
 DRAFT = "tiny-kimi-k3-dspark"

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from tests.spec.spec_helpers import one_thread  # noqa: F401  (autouse fixture)
 from tools.prefill import load_model
 from tools.train_target import (
     ExpertBalancer,
@@ -15,6 +15,8 @@ from tools.train_target import (
     token_stream,
     train_target,
 )
+
+pytestmark = pytest.mark.usefixtures("single_thread_torch")
 
 # Parameters no gradient reaches in the K3 stack: the routers' correction biases
 # (they only pick experts) and layer 0's attention-site AttnRes mix (its bank is

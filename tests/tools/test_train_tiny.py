@@ -10,10 +10,11 @@ from safetensors.torch import load_file
 
 from atom.models.tiny import build
 from atom.models.tiny.excerpt import HELD_OUT_FILE
-from tests.spec.spec_helpers import one_thread  # noqa: F401  (autouse fixture)
 from tools import fit_draft, train_tiny
 from tools.prefill import load_model
 from tools.train_config import PRESETS, with_overrides
+
+pytestmark = pytest.mark.usefixtures("single_thread_torch")
 
 
 def test_smoke_run_writes_loadable_weights_and_a_report(tmp_path):
