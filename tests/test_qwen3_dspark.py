@@ -19,7 +19,7 @@ from atom.distributed.parallel_state import build_parallel_state, get_pp_group
 from atom.model_engine.cache_engine import CacheEngine
 from atom.model_engine.model_runner import ModelRunner
 from atom.model_loader.loader import WeightLoadingError, load_weights
-from atom.models.minimax_m3 import model as minimax_model
+from atom.models import causal_lm
 from atom.models.minimax_m3.dspark import Qwen3DSpark
 from atom.models.registry import draft_tap_ids, get_model_class
 from atom.models.tiny import resolve_model_path
@@ -293,7 +293,7 @@ def test_reverted_placement_is_refused_at_start_up(monkeypatch):
         base = language_model_of(runner.model).model
         assert runner.drafter.model.embed_tokens is base.embed_tokens
         monkeypatch.setattr(
-            minimax_model, "pp_holds_embedding", lambda c: get_pp_group().is_first_rank
+            causal_lm, "pp_holds_embedding", lambda c: get_pp_group().is_first_rank
         )
         with pytest.raises(TypeError) as error:
             ModelRunner(config, cpu)
