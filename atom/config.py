@@ -193,7 +193,10 @@ class SpeculativeConfig:
 
 
 @dataclass
-class Config:
+class EngineSettings:
+    """What a user chooses for an engine. `Config` builds on these fields and the
+    command line (`EngineArgs`) exposes them, so each default lives here once."""
+
     model: str = "tiny-kimi-k3"
     tokenizer: str | None = None
     skip_tokenizer_init: bool = False
@@ -202,6 +205,8 @@ class Config:
     device: str = "auto"
     dtype: str = "auto"
     max_model_len: int | None = None
+    # Each running sequence holds a KDA recurrent-state slot that is allocated
+    # up front; 64 matches the Kimi-K3 recipes and keeps that pool small on CPU.
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 16384
     block_size: int = 16
@@ -215,11 +220,17 @@ class Config:
     cudagraph_capture_sizes: list[int] | None = None
     kv_role: str = "none"
     pp_layer_partition: list[int] | None = None
-    seed: int = 0
     method: str | None = None
     draft_model: str | None = None
-    # Drafts per decoding step; 0 once built without a speculative method.
+    # Drafts per decoding step; 0 once a Config is built without a speculative method.
     num_speculative_tokens: int = 1
+
+
+@dataclass
+class Config(EngineSettings):
+    """The settings, resolved: the checkpoint's config and the speculative config."""
+
+    seed: int = 0
     hf_config: HFConfig = field(default_factory=HFConfig)
     # Built from method, draft_model and num_speculative_tokens.
     speculative_config: SpeculativeConfig | None = field(default=None, init=False)

@@ -29,7 +29,7 @@ from atom.sampling_params import SamplingParams
 from atom.spec_decode.aux_capture import TapCapture, allocate_tap_buffers
 from tools.draft_objective import dspark_loss
 from tools.prefill import BLOCK_SIZE, prefill
-from tools.step_plan import StepPlan
+from tools.step_plan import StepPlan, run_steps
 
 FORWARD_SEQS = 32  # sequences per tap-collection forward (bounds its memory)
 MAX_ENGINE_SEQS = 128  # sequences one engine step may batch
@@ -182,35 +182,29 @@ def train(
             f"sequences {short[:5]} leave no anchor with T={width} rows after it"
         )
     device = traces.taps[0].device
-    losses = []
+
+    def learning_rate(step: int, total: int) -> float:
+        warm = min(1.0, (step + 1) / settings.warmup_steps)
+        decay = 0.5 * (1 + math.cos(math.pi * step / total))
+        return settings.lr * warm * decay
+
+    def step_loss(step: int) -> torch.Tensor:
+        indices = torch.randperm(len(traces.tokens), generator=gen)
+        indices = indices[: settings.batch_seqs].tolist()
+        tokens, taps, teacher = _batch(traces, indices, draft.lm_head)
+        low = torch.tensor([traces.first_anchor[i] for i in indices])
+        high = torch.tensor([len(traces.tokens[i]) - 1 - width for i in indices])
+        u = torch.rand(len(indices), settings.anchors_per_seq, generator=gen)
+        anchors = low.unsqueeze(1) + (u * (high - low + 1).unsqueeze(1)).long()
+        return dspark_loss(draft, taps, tokens, anchors.to(device), width, teacher)
+
     try:
-        step = 0
-        while step < plan.total:
-            warm = min(1.0, (step + 1) / settings.warmup_steps)
-            decay = 0.5 * (1 + math.cos(math.pi * step / plan.total))
-            for group in optimizer.param_groups:
-                group["lr"] = settings.lr * warm * decay
-            indices = torch.randperm(len(traces.tokens), generator=gen)
-            indices = indices[: settings.batch_seqs].tolist()
-            tokens, taps, teacher = _batch(traces, indices, draft.lm_head)
-            low = torch.tensor([traces.first_anchor[i] for i in indices])
-            high = torch.tensor([len(traces.tokens[i]) - 1 - width for i in indices])
-            u = torch.rand(len(indices), settings.anchors_per_seq, generator=gen)
-            anchors = low.unsqueeze(1) + (u * (high - low + 1).unsqueeze(1)).long()
-            loss = dspark_loss(draft, taps, tokens, anchors.to(device), width, teacher)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            optimizer.step()
-            losses.append(loss.item())
-            plan.after_step(step)
-            if progress is not None:
-                progress(step, plan.total, losses[-1])
-            step += 1
+        return run_steps(
+            plan, optimizer, learning_rate, step_loss, 1.0, progress=progress
+        )
     finally:
         for p in params:
             p.requires_grad_(False)
-    return losses
 
 
 def collect_traces(

@@ -1,4 +1,5 @@
-"""How many steps a training stage runs: a fixed count, or what fits a time budget.
+"""How many steps a training stage runs (a fixed count, or what fits a time budget),
+and the loop that runs them.
 
 With a budget the count is fixed once the first `CALIBRATION_STEPS` steps are timed
 (the first two untimed: allocator and kernel warm-up). Those steps must lie inside
@@ -9,6 +10,9 @@ one a fixed `steps` equal to the chosen count would give: reports record it.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+
+import torch
 
 CALIBRATION_STEPS = 8
 _UNTIMED = 2
@@ -41,3 +45,36 @@ class StepPlan:
             )
             fitting = int(self.seconds / max(per_step, 1e-9))
             self.total = min(self.total, max(CALIBRATION_STEPS, fitting))
+
+
+def run_steps(
+    plan: StepPlan,
+    optimizer: torch.optim.Optimizer,
+    learning_rate: Callable[[int, int], float],
+    step_loss: Callable[[int], torch.Tensor],
+    grad_clip: float,
+    after_update: Callable[[], None] | None = None,
+    progress: Callable[[int, int, float], None] | None = None,
+) -> list[float]:
+    """Run the plan's steps: the rate `learning_rate(step, total)`, the loss of
+    `step_loss(step)`, a clipped optimizer update, then `after_update()`. Returns
+    every loss; `progress(step, total, loss)` hears of each."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    losses = []
+    step = 0
+    while step < plan.total:
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(step, plan.total)
+        loss = step_loss(step)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, grad_clip)
+        optimizer.step()
+        if after_update is not None:
+            after_update()
+        losses.append(loss.item())
+        plan.after_step(step)
+        if progress is not None:
+            progress(step, plan.total, losses[-1])
+        step += 1
+    return losses

@@ -32,12 +32,18 @@ class TrainConfig:
     eval: EvalSettings
 
 
+# Presets where both targets train alike.
+_SMOKE_TARGET = TargetSettings(
+    steps=2, seqs_per_step=2, seq_len=24, lr=1e-3, warmup_steps=1
+)
+_H200_TARGET = TargetSettings(
+    steps=20_000, seqs_per_step=32, seq_len=256, lr=3e-3, warmup_steps=30, seconds=150
+)
+
 PRESETS: dict[str, TrainConfig] = {
     "smoke": TrainConfig(
-        k3=TargetSettings(steps=2, seqs_per_step=2, seq_len=24, lr=1e-3, warmup_steps=1),
-        linear=TargetSettings(
-            steps=2, seqs_per_step=2, seq_len=24, lr=1e-3, warmup_steps=1
-        ),
+        k3=_SMOKE_TARGET,
+        linear=_SMOKE_TARGET,
         draft=DraftSettings(
             prompts=2, prompt_len=(6, 10), new_tokens=12, sample_temperature=0.7,
             corpus_windows=2, window_len=20, steps=2, batch_seqs=2,
@@ -64,14 +70,8 @@ PRESETS: dict[str, TrainConfig] = {
     ),  # fmt: skip
     # Stages stop at their time budget (`seconds`); `steps` only caps them.
     "h200": TrainConfig(
-        k3=TargetSettings(
-            steps=20_000, seqs_per_step=32, seq_len=256, lr=3e-3, warmup_steps=30,
-            seconds=150,
-        ),
-        linear=TargetSettings(
-            steps=20_000, seqs_per_step=32, seq_len=256, lr=3e-3, warmup_steps=30,
-            seconds=150,
-        ),
+        k3=_H200_TARGET,
+        linear=_H200_TARGET,
         draft=DraftSettings(
             prompts=256, prompt_len=(16, 64), new_tokens=128, sample_temperature=0.7,
             corpus_windows=1024, window_len=192, steps=20_000, batch_seqs=32,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -20,7 +21,7 @@ from torch import nn
 
 from atom.models.kimi_k3.moe import KimiMoE
 from tools.prefill import prefill
-from tools.step_plan import StepPlan
+from tools.step_plan import StepPlan, run_steps
 
 EVAL_WINDOWS_PER_FORWARD = 16
 
@@ -147,33 +148,28 @@ def train_target(
     generator = torch.Generator().manual_seed(seed)
     plan = StepPlan(settings.steps, settings.seconds, settings.warmup_steps)
     optimizer = _optimizer(model, settings)
-    params = [p for group in optimizer.param_groups for p in group["params"]]
     balancer = ExpertBalancer(model, settings.bias_update_rate)
-    losses = []
+
+    def step_loss(step: int) -> torch.Tensor:
+        windows = random_windows(
+            stream, settings.seqs_per_step, settings.seq_len + 1, generator
+        )
+        return next_token_loss(model, windows)
+
     try:
-        step = 0
-        while step < plan.total:
-            for group in optimizer.param_groups:
-                group["lr"] = learning_rate(settings, step, plan.total)
-            windows = random_windows(
-                stream, settings.seqs_per_step, settings.seq_len + 1, generator
-            )
-            loss = next_token_loss(model, windows)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, settings.grad_clip)
-            optimizer.step()
-            balancer.step()
-            losses.append(loss.item())
-            plan.after_step(step)
-            if progress is not None:
-                progress(step, plan.total, losses[-1])
-            step += 1
+        return run_steps(
+            plan,
+            optimizer,
+            partial(learning_rate, settings),
+            step_loss,
+            settings.grad_clip,
+            after_update=balancer.step,
+            progress=progress,
+        )
     finally:
         balancer.remove()
         for p in model.parameters():
             p.requires_grad_(False)
-    return losses
 
 
 @torch.no_grad()

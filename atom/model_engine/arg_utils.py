@@ -5,9 +5,15 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from atom.config import parse_partition
+from atom.config import (
+    DTYPES,
+    KV_ROLES,
+    SPECULATIVE_METHODS,
+    EngineSettings,
+    parse_partition,
+)
 from atom.sampling_params import MAX_SEED, SEED_RULE
-from atom.utils.arg_parser import FlexibleArgumentParser
+from atom.utils.arg_parser import FlexibleArgumentParser, positive_int
 
 # The tiny test checkpoints ship a matching DSpark draft, so `--method dspark`
 # works on them without naming one.
@@ -49,12 +55,17 @@ UNSUPPORTED_ENGINE_FLAGS: dict[tuple[str, ...], str] = {
 # Accepted so recipes run unchanged, but meaningless to the engine.
 CLI_ONLY_FIELDS = frozenset({"trust_remote_code"})
 
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
-    return value
+# Flags that take a positive integer -> help; each defaults to its EngineArgs field.
+POSITIVE_INT_FLAGS: dict[tuple[str, ...], str] = {
+    ("-tp", "--tensor-parallel-size"): "ranks per pipeline stage",
+    ("-pp", "--pipeline-parallel-size"): "pipeline stages",
+    ("--block-size",): "tokens per KV cache block",
+    ("--max-model-len",): "context length; None = the model config's",
+    ("--max-num-batched-tokens",): "tokens per step, over all sequences",
+    ("--max-num-seqs",): "sequences running at once",
+    ("--num-kvcache-blocks",): "KV cache size in blocks; None = sized from free memory",
+    ("--num-speculative-tokens",): "draft tokens verified per step",
+}
 
 
 def _seed(text: str) -> int:
@@ -96,31 +107,9 @@ def _capture_sizes(text: str) -> list[int]:
 
 
 @dataclass
-class EngineArgs:
-    model: str = "tiny-kimi-k3"
-    tokenizer: str | None = None
-    skip_tokenizer_init: bool = False
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    device: str = "auto"
-    dtype: str = "auto"
-    enforce_eager: bool = False
-    cudagraph_capture_sizes: list[int] | None = None
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    block_size: int = 16
-    max_model_len: int | None = None
-    max_num_batched_tokens: int = 16384
-    # Each running sequence holds a KDA recurrent-state slot that is allocated
-    # up front; 64 matches the Kimi-K3 recipes and keeps that pool small on CPU.
-    max_num_seqs: int = 64
-    gpu_memory_utilization: float = 0.9
-    num_kvcache_blocks: int | None = None
-    method: str | None = None
-    draft_model: str | None = None
-    num_speculative_tokens: int = 1
-    kv_role: str = "none"
-    pp_layer_partition: list[int] | None = None
+class EngineArgs(EngineSettings):
+    """The engine's settings as flags; unset optional fields are left to `Config`."""
+
     seed: int | None = None
     trust_remote_code: bool = False
 
@@ -146,30 +135,24 @@ class EngineArgs:
             action="store_true",
             help="load no tokenizer: prompts must be token ids, outputs are token ids",
         )
-        parser.add_argument(
-            "-tp",
-            "--tensor-parallel-size",
-            type=_positive_int,
-            default=defaults.tensor_parallel_size,
-            help="ranks per pipeline stage",
-        )
-        parser.add_argument(
-            "-pp",
-            "--pipeline-parallel-size",
-            type=_positive_int,
-            default=defaults.pipeline_parallel_size,
-            help="pipeline stages",
-        )
+        for names, help_text in POSITIVE_INT_FLAGS.items():
+            field_name = names[-1].removeprefix("--").replace("-", "_")
+            parser.add_argument(
+                *names,
+                type=positive_int,
+                default=getattr(defaults, field_name),
+                help=help_text,
+            )
         parser.add_argument(
             "--device",
             choices=["auto", "cpu", "cuda"],
-            default="auto",
+            default=defaults.device,
             help="auto = cuda when available, else cpu",
         )
         parser.add_argument(
             "--dtype",
-            choices=["auto", "float32", "bfloat16", "float16"],
-            default="auto",
+            choices=["auto", *DTYPES],
+            default=defaults.dtype,
             help="weight and activation dtype; auto = the checkpoint's",
         )
         parser.add_argument(
@@ -187,38 +170,14 @@ class EngineArgs:
         parser.add_argument(
             "--enable-prefix-caching",
             action=argparse.BooleanOptionalAction,
-            default=True,
+            default=defaults.enable_prefix_caching,
             help="reuse the KV cache and KDA states of shared prompt prefixes",
         )
         parser.add_argument(
             "--enable-chunked-prefill",
             action=argparse.BooleanOptionalAction,
-            default=True,
+            default=defaults.enable_chunked_prefill,
             help="split long prompts across steps",
-        )
-        parser.add_argument(
-            "--block-size",
-            type=_positive_int,
-            default=defaults.block_size,
-            help="tokens per KV cache block",
-        )
-        parser.add_argument(
-            "--max-model-len",
-            type=_positive_int,
-            default=None,
-            help="context length; None = the model config's",
-        )
-        parser.add_argument(
-            "--max-num-batched-tokens",
-            type=_positive_int,
-            default=defaults.max_num_batched_tokens,
-            help="tokens per step, over all sequences",
-        )
-        parser.add_argument(
-            "--max-num-seqs",
-            type=_positive_int,
-            default=defaults.max_num_seqs,
-            help="sequences running at once",
         )
         parser.add_argument(
             "--gpu-memory-utilization",
@@ -227,14 +186,8 @@ class EngineArgs:
             help="share of GPU memory the engine may fill, KV cache included",
         )
         parser.add_argument(
-            "--num-kvcache-blocks",
-            type=_positive_int,
-            default=None,
-            help="KV cache size in blocks; None = sized from free memory",
-        )
-        parser.add_argument(
             "--method",
-            choices=["dspark", "eagle3", "mtp"],
+            choices=SPECULATIVE_METHODS,
             default=None,
             help="speculative decoding method",
         )
@@ -244,15 +197,9 @@ class EngineArgs:
             help="standalone draft folder; None = the tiny models' own draft",
         )
         parser.add_argument(
-            "--num-speculative-tokens",
-            type=_positive_int,
-            default=defaults.num_speculative_tokens,
-            help="draft tokens verified per step",
-        )
-        parser.add_argument(
             "--kv-role",
-            choices=["none", "kv_producer", "kv_consumer"],
-            default="none",
+            choices=KV_ROLES,
+            default=defaults.kv_role,
             help="prefill/decode disaggregation role",
         )
         parser.add_argument(

@@ -1,5 +1,7 @@
-"""The two shells every target model here shares around its text stack.
+"""The text stack base and the two shells every target model here shares around it.
 
+`PipelineTextStack`: what every text stack builds the same way, this stage's
+embedding and decoder layers, and the check of what the previous stage sent.
 `PipelineCausalLM`: the stack `model.*` plus the untied vocab-parallel head
 `lm_head.*`, which exists on the last pipeline stage only. `TextOnlyWrapper`: a
 multimodal checkpoint served text-only; the causal LM lives under `language_model.`
@@ -11,13 +13,71 @@ and `make_empty_intermediate_tensors`; subclasses map checkpoint names.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 from torch import nn
 
 from atom.config import Config
 from atom.distributed.parallel_state import get_pp_group
-from atom.model_ops.embed_head import ParallelLMHead
-from atom.models.utils import IntermediateTensors, PPMissingLayer, maybe_prefix
+from atom.model_ops.embed_head import ParallelLMHead, VocabParallelEmbedding
+from atom.models.utils import (
+    IntermediateTensors,
+    PPMissingLayer,
+    make_layers,
+    maybe_prefix,
+    pp_holds_embedding,
+)
+
+
+class PipelineTextStack(nn.Module):
+    """Base of a text stack `model.*`; subclasses set `pp_payload_keys`."""
+
+    pp_payload_keys: tuple[str, ...]
+
+    def build_stage(
+        self,
+        config: Config,
+        text: Any,
+        layer_class: Callable[[Any, int, str], nn.Module],
+        prefix: str,
+    ) -> None:
+        """The embedding where `pp_holds_embedding` says, and the decoder layers
+        `layer_class(text, index, prefix)` this stage owns."""
+        self.text_config = text
+        # Read by the DSpark draft's share_with_target on every stage, including
+        # one whose embed_tokens is a PPMissingLayer.
+        self.vocab_size = text.vocab_size
+        self.hidden_size = text.hidden_size
+        if pp_holds_embedding(config):
+            self.embed_tokens = VocabParallelEmbedding(
+                text.vocab_size, text.hidden_size
+            )
+        else:
+            self.embed_tokens = PPMissingLayer()
+
+        def build_layer(layer_prefix: str) -> nn.Module:
+            index = int(layer_prefix.rsplit(".", 1)[1])
+            return layer_class(text, index, layer_prefix)
+
+        self.start_layer, self.end_layer, self.layers = make_layers(
+            text.num_hidden_layers,
+            build_layer,
+            maybe_prefix(prefix, "layers"),
+            config.pp_layer_partition,
+        )
+
+    def received_payload(
+        self, intermediate_tensors: IntermediateTensors | None
+    ) -> IntermediateTensors:
+        """What the previous stage sent, checked to hold every payload key."""
+        if intermediate_tensors is None:
+            raise ValueError("a non-first pipeline stage needs intermediate_tensors")
+        missing = set(self.pp_payload_keys) - set(intermediate_tensors.keys())
+        if missing:
+            raise ValueError(f"pipeline payload lacks {sorted(missing)}")
+        return intermediate_tensors
 
 
 class PipelineCausalLM(nn.Module):

@@ -11,6 +11,17 @@ import sys
 from collections.abc import Sequence
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1, with a clear message for anything else."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
 def _kebab(option: str) -> str:
     return option.replace("_", "-")
 

@@ -24,7 +24,7 @@ from atom.entrypoints.openai.protocol import ModelCard, ModelList
 from atom.entrypoints.openai.request_guard import RequestGuard
 from atom.entrypoints.openai.serving import APIError, OpenAIServing, error_for
 from atom.model_engine.arg_utils import EngineArgs
-from atom.utils.arg_parser import FlexibleArgumentParser
+from atom.utils.arg_parser import FlexibleArgumentParser, positive_int
 
 logger = logging.getLogger(__name__)
 
@@ -152,16 +152,6 @@ def _json_object(text: str) -> dict[str, Any]:
     return value
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
 def add_server_args(parser: FlexibleArgumentParser) -> FlexibleArgumentParser:
     """Server flags followed by every engine flag."""
     parser.add_argument(
@@ -180,7 +170,7 @@ def add_server_args(parser: FlexibleArgumentParser) -> FlexibleArgumentParser:
     )
     parser.add_argument(
         "--max-request-body-bytes",
-        type=_positive_int,
+        type=positive_int,
         default=DEFAULT_MAX_REQUEST_BODY_BYTES,
         help="larger request bodies are refused with 413 before they are read",
     )

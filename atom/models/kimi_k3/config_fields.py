@@ -152,20 +152,22 @@ def linear_attn_config(text: Mapping[str, Any]) -> Mapping[str, Any]:
     return lac
 
 
-def _from_layer_types(types: Any, num_layers: int) -> list[str] | None:
+def _from_types(
+    types: Any, name: str, kinds: Mapping[str, str], num_layers: int
+) -> list[str] | None:
+    """Per-layer kinds from transformers' flat list `name` (`layer_types`,
+    `mlp_layer_types`), each entry a key of `kinds`; None when it is absent."""
     if types is None:
         return None
     if not isinstance(types, list | tuple) or len(types) != num_layers:
         raise ValueError(
-            f"layer_types must list {num_layers} entries (num_hidden_layers), "
+            f"{name} must list {num_layers} entries (num_hidden_layers), "
             f"got {types!r}"
         )
-    bad = sorted({t for t in types if t not in _ATTENTION_TYPES}, key=str)
+    bad = sorted({t for t in types if t not in kinds}, key=str)
     if bad:
-        raise ValueError(
-            f"layer_types holds {bad}; allowed: {', '.join(_ATTENTION_TYPES)}"
-        )
-    return [_ATTENTION_TYPES[t] for t in types]
+        raise ValueError(f"{name} holds {bad}; allowed: {', '.join(kinds)}")
+    return [kinds[t] for t in types]
 
 
 def _zero_based(ids: Any, name: str, num_layers: int) -> set[int]:
@@ -211,7 +213,9 @@ def _differing(a: list[str], b: list[str]) -> list[int]:
 def attention_schedule(text: Mapping[str, Any], num_layers: int) -> tuple[str, ...]:
     """KDA or MLA per 0-based layer: `layer_types`, the `linear_attn_config` lists,
     or transformers' default (MLA at every fourth layer after layer 0)."""
-    by_types = _from_layer_types(text.get("layer_types"), num_layers)
+    by_types = _from_types(
+        text.get("layer_types"), "layer_types", _ATTENTION_TYPES, num_layers
+    )
     by_lists = _from_layer_lists(linear_attn_config(text), num_layers)
     if by_types and by_lists and by_types != by_lists:
         raise ValueError(
@@ -224,24 +228,12 @@ def attention_schedule(text: Mapping[str, Any], num_layers: int) -> tuple[str, .
     return tuple(schedule)
 
 
-def _from_mlp_types(types: Any, num_layers: int) -> list[str] | None:
-    if types is None:
-        return None
-    if not isinstance(types, list | tuple) or len(types) != num_layers:
-        raise ValueError(
-            f"mlp_layer_types must list {num_layers} entries (num_hidden_layers), "
-            f"got {types!r}"
-        )
-    bad = sorted({t for t in types if t not in _MLP_TYPES}, key=str)
-    if bad:
-        raise ValueError(f"mlp_layer_types holds {bad}; allowed: dense, sparse")
-    return [_MLP_TYPES[t] for t in types]
-
-
 def ffn_schedule(text: Mapping[str, Any], num_layers: int) -> tuple[str, ...]:
     """Dense or MoE per 0-based layer: `mlp_layer_types`, or the checkpoint rule
     (MoE iff layer >= first_k_dense_replace and layer % moe_layer_freq == 0)."""
-    by_types = _from_mlp_types(text.get("mlp_layer_types"), num_layers)
+    by_types = _from_types(
+        text.get("mlp_layer_types"), "mlp_layer_types", _MLP_TYPES, num_layers
+    )
     has_rule = any(
         text.get(name) is not None
         for name in ("first_k_dense_replace", "moe_layer_freq")

@@ -14,22 +14,19 @@ from torch import nn
 from atom.config import Config
 from atom.distributed.parallel_state import get_pp_group, get_tp_group
 from atom.model_ops.attn_res import attn_res_mix
-from atom.model_ops.embed_head import VocabParallelEmbedding
 from atom.model_ops.layernorm import RMSNorm
 from atom.model_ops.linear import ReplicatedLinear
 from atom.model_ops.mxfp4 import declares_mxfp4
 from atom.model_ops.routed_experts import FusedExperts
-from atom.models.causal_lm import PipelineCausalLM, TextOnlyWrapper
+from atom.models.causal_lm import (
+    PipelineCausalLM,
+    PipelineTextStack,
+    TextOnlyWrapper,
+)
 from atom.models.kimi_k3.config import KimiTextConfig
 from atom.models.kimi_k3.layer import KimiDecoderLayer
 from atom.models.kimi_k3.names import map_text_checkpoint_name
-from atom.models.utils import (
-    IntermediateTensors,
-    PPMissingLayer,
-    make_layers,
-    maybe_prefix,
-    pp_holds_embedding,
-)
+from atom.models.utils import IntermediateTensors, PPMissingLayer
 
 
 def text_config_of(config: Config) -> KimiTextConfig:
@@ -51,31 +48,12 @@ def declare_mxfp4_experts(
                 module.expect_mxfp4()
 
 
-class KimiLinearModel(nn.Module):
+class KimiLinearModel(PipelineTextStack):
     def __init__(self, config: Config, prefix: str = "") -> None:
         super().__init__()
         text = text_config_of(config)
-        self.text_config = text
-        self.vocab_size = text.vocab_size
-        self.hidden_size = text.hidden_size
         self.attn_res = text.uses_attn_res
-        if pp_holds_embedding(config):
-            self.embed_tokens = VocabParallelEmbedding(
-                text.vocab_size, text.hidden_size
-            )
-        else:
-            self.embed_tokens = PPMissingLayer()
-
-        def build_layer(layer_prefix: str) -> KimiDecoderLayer:
-            index = int(layer_prefix.rsplit(".", 1)[1])
-            return KimiDecoderLayer(text, index, layer_prefix)
-
-        self.start_layer, self.end_layer, self.layers = make_layers(
-            text.num_hidden_layers,
-            build_layer,
-            maybe_prefix(prefix, "layers"),
-            config.pp_layer_partition,
-        )
+        self.build_stage(config, text, KimiDecoderLayer, prefix)
         quantization = config.hf_config.text.get("quantization_config")
         declare_mxfp4_experts(self, quantization, prefix)
         last = get_pp_group().is_last_rank
@@ -118,15 +96,11 @@ class KimiLinearModel(nn.Module):
             if not self.attn_res:
                 return hidden, None, None
             return hidden, None, hidden.new_zeros(hidden.shape[0], 0, hidden.shape[1])
-        if intermediate_tensors is None:
-            raise ValueError("a non-first pipeline stage needs intermediate_tensors")
-        missing = set(self.pp_payload_keys) - set(intermediate_tensors.keys())
-        if missing:
-            raise ValueError(f"pipeline payload lacks {sorted(missing)}")
-        hidden = intermediate_tensors["hidden_states"]
+        payload = self.received_payload(intermediate_tensors)
+        hidden = payload["hidden_states"]
         if self.attn_res:
-            return hidden, None, intermediate_tensors["block_residual"]
-        return hidden, intermediate_tensors["residual"], None
+            return hidden, None, payload["block_residual"]
+        return hidden, payload["residual"], None
 
     def forward(
         self,

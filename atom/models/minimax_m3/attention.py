@@ -125,10 +125,7 @@ class MiniMaxM3Attention(nn.Module):
                 index_k,
                 visible,
                 metadata.query_positions,
-                self.indexer.block_size,
-                self.indexer.topk_blocks,
-                self.indexer.local_blocks,
-                self.indexer.init_blocks,
+                self.indexer,
             )
         o = gqa_attention(
             metadata.pad(q),

@@ -16,6 +16,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from atom.model_ops.block_sparse import IndexerConfig
+
 SPARSE_LAYER_TYPE, FULL_LAYER_TYPE = "minimax_m3_sparse", "full_attention"
 MOE_MLP_TYPE, DENSE_MLP_TYPE = "sparse", "dense"
 # Flat (transformers) index field -> key inside the released sparse_attention_config.
@@ -31,22 +33,34 @@ ACCEPTED_HIDDEN_ACTS = ("swigluoai", "silu")
 
 
 @dataclass(frozen=True)
+class LayerKindField:
+    """Where a config says which kind each layer is: the released per-layer flags
+    or transformers' flat list of `on` / `off` entries."""
+
+    what: str
+    released: str
+    flat: str
+    on: str
+    off: str
+
+
+ATTENTION_KIND_FIELD = LayerKindField(
+    "attention",
+    "sparse_attention_config.sparse_attention_freq",
+    "layer_types",
+    SPARSE_LAYER_TYPE,
+    FULL_LAYER_TYPE,
+)
+FFN_KIND_FIELD = LayerKindField(
+    "FFN", "moe_layer_freq", "mlp_layer_types", MOE_MLP_TYPE, DENSE_MLP_TYPE
+)
+
+
+@dataclass(frozen=True)
 class MiniMaxLayer:
     index: int
     sparse_attention: bool
     moe: bool
-
-
-@dataclass(frozen=True)
-class IndexerConfig:
-    """The lightning indexer of the sparse layers."""
-
-    num_heads: int
-    head_dim: int
-    block_size: int
-    topk_blocks: int
-    local_blocks: int
-    init_blocks: int
 
 
 @dataclass(frozen=True)
@@ -223,19 +237,20 @@ def _refuse_unsupported(text: Mapping[str, Any]) -> None:
         raise ValueError(f"rope_type {rope_type!r} is not supported (default)")
 
 
-def _flags(values: Any, name: str, num_layers: int) -> list[bool]:
+def _per_layer(values: Any, name: str, num_layers: int) -> list | tuple:
     if not isinstance(values, list | tuple) or len(values) != num_layers:
         raise ValueError(
             f"{name} must list one entry per layer ({num_layers}), got {values!r}"
         )
-    return [bool(v) for v in values]
+    return values
+
+
+def _flags(values: Any, name: str, num_layers: int) -> list[bool]:
+    return [bool(v) for v in _per_layer(values, name, num_layers)]
 
 
 def _kinds(values: Any, name: str, num_layers: int, on: str, off: str) -> list[bool]:
-    if not isinstance(values, list | tuple) or len(values) != num_layers:
-        raise ValueError(
-            f"{name} must list one entry per layer ({num_layers}), got {values!r}"
-        )
+    values = _per_layer(values, name, num_layers)
     bad = sorted({v for v in values if v not in (on, off)})
     if bad:
         raise ValueError(f"{name} holds {bad}; allowed: {on!r}, {off!r}")
@@ -248,6 +263,26 @@ def _agreeing(
     if released is not None and flat is not None and released != flat:
         raise ValueError(f"{names} disagree: {released} vs {flat}")
     return released if released is not None else flat
+
+
+def _released_or_flat(
+    text: Mapping[str, Any],
+    released: list[bool] | None,
+    field: LayerKindField,
+    num_layers: int,
+) -> list[bool]:
+    """Per-layer kinds from the released flags or transformers' flat list (both
+    set: they must agree); one of them is required."""
+    flat = None
+    if text.get(field.flat) is not None:
+        flat = _kinds(text[field.flat], field.flat, num_layers, field.on, field.off)
+    kinds = _agreeing(released, flat, f"{field.released} and {field.flat}")
+    if kinds is None:
+        raise ValueError(
+            f"config types no {field.what} layer: it needs {field.released} "
+            f"(released) or {field.flat} (transformers)"
+        )
+    return kinds
 
 
 def _attention_kinds(
@@ -278,47 +313,14 @@ def _attention_kinds(
         score = sparse_cfg.get("sparse_score_type", "max")
         if score != "max":
             raise ValueError(f"sparse_score_type {score!r} is not supported (max)")
-    flat = None
-    if text.get("layer_types") is not None:
-        flat = _kinds(
-            text["layer_types"],
-            "layer_types",
-            num_layers,
-            SPARSE_LAYER_TYPE,
-            FULL_LAYER_TYPE,
-        )
-    kinds = _agreeing(
-        released, flat, "sparse_attention_config.sparse_attention_freq and layer_types"
-    )
-    if kinds is None:
-        raise ValueError(
-            "config types no attention layer: it needs "
-            "sparse_attention_config.sparse_attention_freq (released) or "
-            "layer_types (transformers)"
-        )
-    return kinds
+    return _released_or_flat(text, released, ATTENTION_KIND_FIELD, num_layers)
 
 
 def _ffn_kinds(text: Mapping[str, Any], num_layers: int) -> list[bool]:
     released = None
     if text.get("moe_layer_freq") is not None:
         released = _flags(text["moe_layer_freq"], "moe_layer_freq", num_layers)
-    flat = None
-    if text.get("mlp_layer_types") is not None:
-        flat = _kinds(
-            text["mlp_layer_types"],
-            "mlp_layer_types",
-            num_layers,
-            MOE_MLP_TYPE,
-            DENSE_MLP_TYPE,
-        )
-    kinds = _agreeing(released, flat, "moe_layer_freq and mlp_layer_types")
-    if kinds is None:
-        raise ValueError(
-            "config types no FFN layer: it needs moe_layer_freq (released) or "
-            "mlp_layer_types (transformers)"
-        )
-    return kinds
+    return _released_or_flat(text, released, FFN_KIND_FIELD, num_layers)
 
 
 def _rope_field(text: Mapping[str, Any], name: str) -> Any:

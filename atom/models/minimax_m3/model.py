@@ -9,26 +9,22 @@ branches on the stage's position, never on which modules exist.
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from atom.config import Config
 from atom.distributed.parallel_state import get_pp_group, get_tp_group
-from atom.model_ops.embed_head import VocabParallelEmbedding
 from atom.model_ops.layernorm import GemmaRMSNorm
-from atom.models.causal_lm import PipelineCausalLM, TextOnlyWrapper
+from atom.models.causal_lm import (
+    PipelineCausalLM,
+    PipelineTextStack,
+    TextOnlyWrapper,
+)
 from atom.models.minimax_m3.config import MiniMaxM3TextConfig
 from atom.models.minimax_m3.layer import MiniMaxM3DecoderLayer
 from atom.models.minimax_m3.names import map_text_checkpoint_name
-from atom.models.utils import (
-    IntermediateTensors,
-    PPMissingLayer,
-    make_layers,
-    maybe_prefix,
-    pp_holds_embedding,
-)
+from atom.models.utils import IntermediateTensors, PPMissingLayer
 
 
-class MiniMaxM3Model(nn.Module):
+class MiniMaxM3Model(PipelineTextStack):
     pp_payload_keys = ("hidden_states", "residual")
 
     def __init__(self, config: Config, prefix: str = "") -> None:
@@ -36,28 +32,7 @@ class MiniMaxM3Model(nn.Module):
         text = MiniMaxM3TextConfig.from_hf(
             config.hf_config.text, get_tp_group().world_size
         )
-        self.text_config = text
-        # Read by the DSpark draft's share_with_target on every stage, including
-        # one whose embed_tokens is a PPMissingLayer.
-        self.vocab_size = text.vocab_size
-        self.hidden_size = text.hidden_size
-        if pp_holds_embedding(config):
-            self.embed_tokens = VocabParallelEmbedding(
-                text.vocab_size, text.hidden_size
-            )
-        else:
-            self.embed_tokens = PPMissingLayer()
-
-        def build_layer(layer_prefix: str) -> MiniMaxM3DecoderLayer:
-            index = int(layer_prefix.rsplit(".", 1)[1])
-            return MiniMaxM3DecoderLayer(text, index, layer_prefix)
-
-        self.start_layer, self.end_layer, self.layers = make_layers(
-            text.num_hidden_layers,
-            build_layer,
-            maybe_prefix(prefix, "layers"),
-            config.pp_layer_partition,
-        )
+        self.build_stage(config, text, MiniMaxM3DecoderLayer, prefix)
         if get_pp_group().is_last_rank:
             self.norm = GemmaRMSNorm(text.hidden_size, eps=text.rms_norm_eps)
         else:
@@ -85,15 +60,8 @@ class MiniMaxM3Model(nn.Module):
             # A module call: the DSpark tap hook for -1 sits on embed_tokens.
             hidden, residual = self.embed_tokens(input_ids), None
         else:
-            if intermediate_tensors is None:
-                raise ValueError(
-                    "a non-first pipeline stage needs intermediate_tensors"
-                )
-            missing = set(self.pp_payload_keys) - set(intermediate_tensors.keys())
-            if missing:
-                raise ValueError(f"pipeline payload lacks {sorted(missing)}")
-            hidden = intermediate_tensors["hidden_states"]
-            residual = intermediate_tensors["residual"]
+            payload = self.received_payload(intermediate_tensors)
+            hidden, residual = payload["hidden_states"], payload["residual"]
         for layer in self.layers[self.start_layer : self.end_layer]:
             hidden, residual = layer(positions, hidden, residual)
         if not pp.is_last_rank:

@@ -30,6 +30,7 @@ from atom.models.tiny.weights import (
     NORM,
     SMALL,
     TensorSpec,
+    draft_tail_specs,
     materialize,
     mlp_specs,
 )
@@ -150,7 +151,11 @@ def minimax_dspark_config(target_text: dict, tap_ids: list[int]) -> dict:
     }
 
 
-def _attention_specs(p: str, cfg: dict, sparse: bool) -> list[TensorSpec]:
+def _attention_specs(
+    p: str, cfg: dict, sparse: bool, norm_init: str = SMALL
+) -> list[TensorSpec]:
+    """q/k/v/o projections and per-head QK norms (init `norm_init`), plus the
+    lightning indexer's on sparse layers."""
     hidden, head_dim = cfg["hidden_size"], cfg["head_dim"]
     q_rows = cfg["num_attention_heads"] * head_dim
     kv_rows = cfg["num_key_value_heads"] * head_dim
@@ -159,8 +164,8 @@ def _attention_specs(p: str, cfg: dict, sparse: bool) -> list[TensorSpec]:
         TensorSpec(f"{p}k_proj.weight", (kv_rows, hidden), LINEAR),
         TensorSpec(f"{p}v_proj.weight", (kv_rows, hidden), LINEAR),
         TensorSpec(f"{p}o_proj.weight", (hidden, q_rows), LINEAR),
-        TensorSpec(f"{p}q_norm.weight", (head_dim,), SMALL),
-        TensorSpec(f"{p}k_norm.weight", (head_dim,), SMALL),
+        TensorSpec(f"{p}q_norm.weight", (head_dim,), norm_init),
+        TensorSpec(f"{p}k_norm.weight", (head_dim,), norm_init),
     ]
     if sparse:
         sparse_cfg = cfg["sparse_attention_config"]
@@ -228,9 +233,7 @@ def dspark_draft_specs(cfg: dict, with_embedding: bool) -> list[TensorSpec]:
     """`Qwen3DSparkModel` tensors (no `model.` prefix, no lm_head)."""
     hidden, vocab = cfg["hidden_size"], cfg["vocab_size"]
     dflash = cfg["dflash_config"]
-    rank, head_dim = dflash["markov_rank"], cfg["head_dim"]
-    q_rows = cfg["num_attention_heads"] * head_dim
-    kv_rows = cfg["num_key_value_heads"] * head_dim
+    rank = dflash["markov_rank"]
     specs = [
         TensorSpec(
             "fc.weight", (hidden, len(dflash["target_layer_ids"]) * hidden), LINEAR
@@ -239,28 +242,13 @@ def dspark_draft_specs(cfg: dict, with_embedding: bool) -> list[TensorSpec]:
     ]
     for i in range(cfg["num_hidden_layers"]):
         lp = f"layers.{i}."
-        a = f"{lp}self_attn."
         specs += [
             TensorSpec(f"{lp}input_layernorm.weight", (hidden,), NORM),
             TensorSpec(f"{lp}post_attention_layernorm.weight", (hidden,), NORM),
-            TensorSpec(f"{a}q_proj.weight", (q_rows, hidden), LINEAR),
-            TensorSpec(f"{a}k_proj.weight", (kv_rows, hidden), LINEAR),
-            TensorSpec(f"{a}v_proj.weight", (kv_rows, hidden), LINEAR),
-            TensorSpec(f"{a}o_proj.weight", (hidden, q_rows), LINEAR),
-            TensorSpec(f"{a}q_norm.weight", (head_dim,), NORM),
-            TensorSpec(f"{a}k_norm.weight", (head_dim,), NORM),
         ]
+        specs += _attention_specs(f"{lp}self_attn.", cfg, sparse=False, norm_init=NORM)
         specs += mlp_specs(f"{lp}mlp.", hidden, cfg["intermediate_size"])
-    specs += [
-        TensorSpec("norm.weight", (hidden,), NORM),
-        TensorSpec("markov_head.markov_w1.weight", (vocab, rank), LINEAR),
-        TensorSpec("markov_head.markov_w2.weight", (vocab, rank), LINEAR),
-        TensorSpec("confidence_head.proj.weight", (1, hidden + rank), LINEAR),
-        TensorSpec("confidence_head.bias", (1,), SMALL),
-    ]
-    if with_embedding:
-        specs.append(TensorSpec("embed_tokens.weight", (vocab, hidden), EMBED))
-    return specs
+    return specs + draft_tail_specs("norm", hidden, vocab, rank, with_embedding)
 
 
 def build_minimax(out_dir: str | Path) -> None:

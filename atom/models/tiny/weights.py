@@ -201,8 +201,16 @@ def dspark_specs(cfg: dict, with_embedding: bool) -> list[TensorSpec]:
         ]
         specs += mla_specs(f"{lp}self_attn.", cfg)
         specs += mlp_specs(f"{lp}mlp.", hidden, cfg["intermediate_size"])
-    specs += [
-        TensorSpec("final_norm.weight", (hidden,), NORM),
+    return specs + draft_tail_specs("final_norm", hidden, vocab, rank, with_embedding)
+
+
+def draft_tail_specs(
+    norm: str, hidden: int, vocab: int, rank: int, with_embedding: bool
+) -> list[TensorSpec]:
+    """What every DSpark draft ends with: the final norm `norm`, the Markov and
+    confidence heads and, when the draft stores its own, the embedding."""
+    specs = [
+        TensorSpec(f"{norm}.weight", (hidden,), NORM),
         TensorSpec("markov_head.markov_w1.weight", (vocab, rank), LINEAR),
         TensorSpec("markov_head.markov_w2.weight", (vocab, rank), LINEAR),
         TensorSpec("confidence_head.proj.weight", (1, hidden + rank), LINEAR),
