@@ -1,8 +1,7 @@
 """Training presets of `tools.train_tiny`: how long and how wide each stage trains.
 
-`smoke` runs every stage for a few steps (the CPU test); `cpu` made the provisional
-weights on two shared CPU cores; `h200` fits one H200 within the time budget that
-docs/tiny_models.md gives. `--set stage.field=value` overrides one field, e.g.
+`smoke` runs every stage for a few steps (the CPU test); `cpu` made the shipped
+weights on two shared CPU cores; `h200` gives each stage a time budget on one GPU. `--set stage.field=value` overrides one field, e.g.
 `--set k3.seconds=0 --set k3.steps=900` replays a budgeted run exactly.
 """
 
