@@ -121,15 +121,14 @@ class ModelRunner:
 
     def allocate_caches(self, num_blocks: int) -> None:
         self.cache = self._cache_engine(num_blocks, self.limits.num_state_slots)
-        num_spec = self.limits.num_speculative_tokens
-        if num_spec and self.cache.state_layers:
+        if self.cache.num_spec_rows and self.cache.state_layers:
             logger.info(
                 "%s %s: %s of %d KDA layers, %d rows per state slot",
                 KDA_ROLLBACK_MARKER,
                 self._rank_label(),
                 KDA_ROLLBACK_MODE,
                 len(self.cache.state_layers),
-                num_spec + 1,
+                self.cache.num_spec_rows,
             )
         if self._can_capture_graphs():
             self.graphs = self._capture_graphs()
