@@ -1,7 +1,14 @@
 """Fixtures shared by every test package."""
 
+import os
+
 import pytest
 import torch
+
+# Without a GPU the Triton kernels (atom/kernels/) run under Triton's interpreter,
+# which is chosen when a kernel is defined: set it before any test imports one.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="module")

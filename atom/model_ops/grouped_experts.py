@@ -1,18 +1,30 @@
 """Routed experts as grouped matrix products over tokens sorted by expert.
 
 Every (token, choice) pair of the step is sorted by expert once; each expert then
-multiplies one contiguous group of rows. `torch._grouped_mm` runs all groups in one
-kernel with no host synchronisation (so a CUDA graph can capture it); where it cannot
-run (an old torch, misaligned widths, a GPU without its kernels) a loop over the
-groups does, reading the group sizes on the host once.
+multiplies one contiguous group of rows. Three paths compute the same products:
+
+- `grouped_mm`: `torch._grouped_mm`, one kernel, no host sync. Used on the CPU and
+  for bf16 on sm90+ GPUs; on CUDA its fp32 form copies between host and device, so
+  a graph cannot capture it (seen with torch 2.11).
+- `triton`: the grouped GEMM of `atom/kernels/expert_gemm.py`, one kernel per
+  projection in any dtype, no host sync: every other CUDA case.
+- `loop`: one `F.linear` per group, reading the group sizes on the host once (an
+  old torch without `_grouped_mm`, misaligned widths, no Triton). Not capturable.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
+
+from atom.kernels import triton_available
+
+ExpertPath = Literal["grouped_mm", "triton", "loop"]
+# The paths with no host synchronisation, which a CUDA graph can capture.
+CAPTURABLE_PATHS = ("grouped_mm", "triton")
 
 # _grouped_mm wants 16-byte aligned rows.
 _ALIGNMENT_BYTES = 16
@@ -27,7 +39,7 @@ def grouped_mm_supported(device: torch.device, dtype: torch.dtype, *dims: int) -
         return False
     if device.type == "cpu":
         return True
-    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float32):
+    if device.type != "cuda" or dtype != torch.bfloat16:
         return False
     return torch.cuda.get_device_capability(device) >= (9, 0)
 
@@ -36,10 +48,18 @@ def _grouped_linear(
     rows: torch.Tensor,
     weight: torch.Tensor,
     group_ends: torch.Tensor,
-    use_grouped_mm: bool,
+    path: ExpertPath,
+    row_source: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """rows [M, in] sorted by group; weight [E, out, in]; group e = rows[end_{e-1}:end_e]."""
-    if use_grouped_mm:
+    """out[r] = rows[row_source[r]] @ weight[e].T for sorted row r of group e, where
+    group e is [end_{e-1}, end_e); row_source None means rows are already sorted."""
+    if path == "triton":
+        from atom.kernels.expert_gemm import expert_gemm
+
+        return expert_gemm(rows, weight, group_ends, row_source)
+    if row_source is not None:
+        rows = rows[row_source]
+    if path == "grouped_mm":
         return torch._grouped_mm(rows, weight.transpose(1, 2), offs=group_ends)
     out = rows.new_empty(rows.shape[0], weight.shape[1])
     start = 0
@@ -50,9 +70,14 @@ def _grouped_linear(
     return out
 
 
-def experts_use_grouped_mm(w13: torch.Tensor, w2: torch.Tensor) -> bool:
-    """Whether `grouped_expert_mlp` runs these weights in one sync-free kernel."""
-    return grouped_mm_supported(w13.device, w13.dtype, *w13.shape[1:], *w2.shape[1:])
+def expert_path(w13: torch.Tensor, w2: torch.Tensor) -> ExpertPath:
+    """The fastest path that runs these weights where they sit (module docstring)."""
+    dims = (*w13.shape[1:], *w2.shape[1:])
+    if grouped_mm_supported(w13.device, w13.dtype, *dims):
+        return "grouped_mm"
+    if w13.device.type == "cuda" and triton_available(w13.device):
+        return "triton"
+    return "loop"
 
 
 def grouped_expert_mlp(
@@ -62,13 +87,13 @@ def grouped_expert_mlp(
     w13: torch.Tensor,
     w2: torch.Tensor,
     act: Callable[[torch.Tensor], torch.Tensor],
-    use_grouped_mm: bool,
+    path: ExpertPath,
 ) -> torch.Tensor:
     """sum_k routing_weights[:, k] * expert_{ids[:, k]}(x) as [N, D] fp32.
 
     x [N, D]; routing_weights, expert_ids [N, k]; w13 [E, 2I, D] (gate rows first);
-    w2 [E, D, I]; `act` maps [M, 2I] to [M, I]; `use_grouped_mm` as
-    `experts_use_grouped_mm` says for these weights.
+    w2 [E, D, I]; `act` maps [M, 2I] to [M, I]; `path` as `expert_path` chooses for
+    these weights (or any path that runs on their device).
     """
     num_tokens, top_k = expert_ids.shape
     num_experts = w13.shape[0]
@@ -79,8 +104,8 @@ def grouped_expert_mlp(
     counts = torch.zeros(num_experts, dtype=torch.int32, device=x.device)
     counts.index_add_(0, flat_ids, torch.ones_like(flat_ids, dtype=torch.int32))
     group_ends = counts.cumsum(0, dtype=torch.int32)
-    inner = act(_grouped_linear(x[token_of], w13, group_ends, use_grouped_mm))
-    y = _grouped_linear(inner, w2, group_ends, use_grouped_mm).float()
+    inner = act(_grouped_linear(x, w13, group_ends, path, row_source=token_of))
+    y = _grouped_linear(inner, w2, group_ends, path).float()
     y = y * routing_weights.reshape(-1)[order].float().unsqueeze(1)
     out = torch.zeros(num_tokens, w2.shape[1], dtype=torch.float32, device=x.device)
     return out.index_add(0, token_of, y)

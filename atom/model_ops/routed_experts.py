@@ -19,7 +19,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from atom.distributed.parallel_state import get_tp_group
-from atom.model_ops.grouped_experts import experts_use_grouped_mm, grouped_expert_mlp
+from atom.model_ops.grouped_experts import (
+    CAPTURABLE_PATHS,
+    ExpertPath,
+    expert_path,
+    grouped_expert_mlp,
+)
 from atom.model_ops.linear import check_shape, divide, shard_of
 from atom.model_ops.mxfp4 import dequantize_mxfp4
 
@@ -95,7 +100,7 @@ class FusedExperts(nn.Module):
         self._loaded_mxfp4: dict[tuple[int, str], bool] = {}
         self.act = act
         # Decided on first use, once the weights sit on their device.
-        self._grouped_mm: bool | None = None
+        self._path: ExpertPath | None = None
 
     def expect_mxfp4(self) -> None:
         """The config declares MXFP4 experts: account for packed + scale halves."""
@@ -171,15 +176,20 @@ class FusedExperts(nn.Module):
     ) -> torch.Tensor:
         """This rank's partial sum_k w_k * expert_k(x), [N, D] in fp32."""
         return grouped_expert_mlp(
-            x, weights, expert_ids, self.w13, self.w2, self.act, self.graph_capturable
+            x, weights, expert_ids, self.w13, self.w2, self.act, self.path
         )
 
     @property
+    def path(self) -> ExpertPath:
+        """How the grouped products run (`grouped_experts.expert_path`)."""
+        if self._path is None:
+            self._path = expert_path(self.w13, self.w2)
+        return self._path
+
+    @property
     def graph_capturable(self) -> bool:
-        """True when the experts run with no host sync (one grouped kernel)."""
-        if self._grouped_mm is None:
-            self._grouped_mm = experts_use_grouped_mm(self.w13, self.w2)
-        return self._grouped_mm
+        """True when the experts run with no host sync (one kernel per projection)."""
+        return self.path in CAPTURABLE_PATHS
 
 
 class RouterGate(nn.Module):

@@ -1,0 +1,33 @@
+"""Triton kernels of the hot path, each beside the torch function it must equal.
+
+Every kernel module exposes a plain function with the same contract as a torch
+reference elsewhere in `atom.model_ops`; the tests compare the two at small shapes,
+natively on CUDA and on CPU through Triton's interpreter (`TRITON_INTERPRET=1`).
+Triton is optional: `triton_available()` says whether these kernels can run here,
+and callers fall back to the torch references when they cannot.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+
+def triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def interpreting() -> bool:
+    """Triton's interpreter runs kernels on the CPU with numpy (tests only)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def triton_available(device: torch.device | str) -> bool:
+    """Whether the kernels of this package can run on tensors of `device`: natively
+    on a CUDA (or ROCm) GPU, or on the CPU under the interpreter."""
+    if not triton_installed():
+        return False
+    kind = torch.device(device).type
+    return kind == "cuda" or (kind == "cpu" and interpreting())

@@ -1,0 +1,152 @@
+"""Grouped expert GEMM in Triton: rows sorted by expert times that expert's weight.
+
+The torch reference is `atom.model_ops.grouped_experts._grouped_linear`. Rows
+arrive sorted by expert (group e is rows [start_e, end_e)); each program multiplies
+one tile of BLOCK_M rows of one group by one BLOCK_N slice of that expert's weight.
+The tile list is built on the device from the group sizes with a fixed upper bound
+on its length (ceil(M / BLOCK_M) + E tiles), so nothing is read back to the host and
+a CUDA graph can capture the whole product in any dtype. Tiles past the real count
+exit at once. The first GEMM of an expert MLP reads its rows through `row_source`
+(the token each sorted row belongs to), which fuses the gather of the inputs.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _expert_gemm_kernel(
+    a_ptr,
+    row_source_ptr,
+    w_ptr,
+    out_ptr,
+    tile_expert_ptr,
+    tile_row_ptr,
+    group_end_ptr,
+    num_experts,
+    N,
+    K,
+    stride_a,
+    stride_we,
+    stride_wn,
+    stride_out,
+    GATHER: tl.constexpr,
+    IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    expert = tl.load(tile_expert_ptr + tile)
+    if expert >= num_experts:
+        return
+    first_row = tl.load(tile_row_ptr + tile)
+    group_end = tl.load(group_end_ptr + expert)
+    rows = first_row + tl.arange(0, BLOCK_M)
+    row_ok = rows < group_end
+    if GATHER:
+        a_rows = tl.load(row_source_ptr + rows, mask=row_ok, other=0)
+    else:
+        a_rows = rows
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    ks = tl.arange(0, BLOCK_K)
+    w_tile = w_ptr + expert.to(tl.int64) * stride_we
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + ks
+        k_ok = k < K
+        a = tl.load(
+            a_ptr + a_rows.to(tl.int64)[:, None] * stride_a + k[None, :],
+            mask=row_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        )
+        # w is [N, K] per expert: load the [BLOCK_K, BLOCK_N] transpose tile.
+        w = tl.load(
+            w_tile + cols[None, :] * stride_wn + k[:, None],
+            mask=k_ok[:, None] & col_ok[None, :],
+            other=0.0,
+        )
+        if IEEE:
+            acc = tl.dot(a, w, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, w, acc)
+    out = out_ptr + rows.to(tl.int64)[:, None] * stride_out + cols[None, :]
+    tl.store(
+        out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :]
+    )
+
+
+def _block_m(num_rows: int, num_experts: int) -> int:
+    # Few rows per expert (decode) waste less of a small tile.
+    return 16 if num_rows <= 4 * num_experts else 64
+
+
+def expert_tiles(
+    group_ends: torch.Tensor, num_rows: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(expert of each tile, first sorted row of each tile), padded to the fixed
+    bound ceil(num_rows / block_m) + E with expert = E (no work)."""
+    num_experts = group_ends.numel()
+    ends = group_ends.long()
+    counts = ends.diff(prepend=ends.new_zeros(1))
+    tiles_per_expert = (counts + block_m - 1) // block_m
+    tile_ends = tiles_per_expert.cumsum(0)
+    max_tiles = (num_rows + block_m - 1) // block_m + num_experts
+    tile = torch.arange(max_tiles, device=ends.device)
+    expert = torch.searchsorted(tile_ends, tile, right=True)
+    known = expert.clamp(max=num_experts - 1)
+    first_tile = tile_ends[known] - tiles_per_expert[known]
+    first_row = (ends[known] - counts[known]) + (tile - first_tile) * block_m
+    return expert.to(torch.int32), first_row.to(torch.int32)
+
+
+def expert_gemm(
+    rows: torch.Tensor,
+    weight: torch.Tensor,
+    group_ends: torch.Tensor,
+    row_source: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """out [M, N] with out[r] = rows[src(r)] @ weight[e(r)].T, in rows' dtype.
+
+    weight [E, N, K]; group_ends [E] int (cumulative group sizes over the M sorted
+    rows); row_source [M] the row of `rows` each sorted row reads (None: itself).
+    fp32 operands multiply in full fp32 (no tf32) so fp32 models stay exact.
+    """
+    num_rows = row_source.shape[0] if row_source is not None else rows.shape[0]
+    num_experts, n, k = weight.shape
+    weight = weight.contiguous()
+    rows = rows.contiguous()
+    out = rows.new_empty(num_rows, n)
+    if num_rows == 0:
+        return out
+    block_m = _block_m(num_rows, num_experts)
+    tile_expert, tile_row = expert_tiles(group_ends, num_rows, block_m)
+    block_n = 64
+    block_k = 32 if rows.dtype == torch.float32 else 64
+    grid = (tile_expert.numel(), triton.cdiv(n, block_n))
+    _expert_gemm_kernel[grid](
+        rows,
+        row_source if row_source is not None else tile_row,
+        weight,
+        out,
+        tile_expert,
+        tile_row,
+        group_ends.to(torch.int32),
+        num_experts,
+        n,
+        k,
+        rows.stride(0),
+        weight.stride(0),
+        weight.stride(1),
+        out.stride(0),
+        GATHER=row_source is not None,
+        IEEE=rows.dtype == torch.float32,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+    )
+    return out
