@@ -117,3 +117,33 @@ def test_config_imports_no_model_code():
     below_config = reachable(import_graph(), "atom.config")
     assert not below_config & {"atom.models.registry", "atom.models.utils"}
     assert [m for m in sorted(below_config) if builds_layers(files[m])] == []
+
+
+def package_graph() -> dict[str, set[str]]:
+    """Imports between the subpackages of atom (atom.model_engine, ...); the
+    top-level modules (atom.config, ...) are settings every layer may read and are
+    left out, as `test_config_imports_no_model_code` bounds what they reach."""
+    files = module_files()
+
+    def package(name: str) -> str | None:
+        parts = name.split(".")
+        nested = (
+            files[name].parent != ROOT / "atom" or files[name].name == "__init__.py"
+        )
+        return ".".join(parts[:2]) if len(parts) > 1 and nested else None
+
+    graph: dict[str, set[str]] = {}
+    for name, deps in import_graph().items():
+        if (source := package(name)) is None:
+            continue
+        targets = {package(dep) for dep in deps} - {None, source}
+        graph.setdefault(source, set()).update(targets)
+    for targets in list(graph.values()):
+        for target in targets:
+            graph.setdefault(target, set())
+    return graph
+
+
+def test_no_package_circle():
+    # e.g. spec_decode importing model_engine while the runner imports the drafter.
+    assert find_cycle(package_graph()) is None

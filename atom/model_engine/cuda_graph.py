@@ -30,11 +30,11 @@ from atom.model_engine.model_inputs import (
 )
 from atom.models.utils import IntermediateTensors
 from atom.utils.forward_context import ForwardContext, set_forward_context
+from atom.utils.graph_capture import capture_graph
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
-_WARMUP_RUNS = 2
 
 
 def capture_sizes(requested: list[int] | None, max_num_seqs: int) -> list[int]:
@@ -88,10 +88,13 @@ class DecodeGraphs:
         pool = torch.cuda.graph_pool_handle()
         for query_len in reversed(self.query_lens):
             for size in reversed(self.sizes):
-                self.captures[(size, query_len)] = self._capture(size, query_len, pool)
+                capture = self._capture(size, query_len, pool)
+                if capture is not None:
+                    self.captures[(size, query_len)] = capture
         logger.info(
-            "captured %d decode graphs: batch sizes %s x rows per sequence %s",
+            "captured %d of %d decode graphs: batch sizes %s x rows per sequence %s",
             len(self.captures),
+            len(self.sizes) * len(self.query_lens),
             self.sizes,
             self.query_lens,
         )
@@ -106,7 +109,7 @@ class DecodeGraphs:
             {key: value[:rows] for key, value in self.payload.items()}
         )
 
-    def _capture(self, size: int, query_len: int, pool) -> _Capture:
+    def _capture(self, size: int, query_len: int, pool) -> _Capture | None:
         # One continuing sequence on the scratch slots, padded to `size`: the
         # capture's layout is the one every replay of this key builds.
         dummy = SeqWork(
@@ -126,15 +129,15 @@ class DecodeGraphs:
         metadata.slot_mapping.fill_(self.kv_slot)
         payload = self._payload(size * query_len)
         with set_forward_context(ForwardContext(metadata)):
-            stream = torch.cuda.Stream(self.device)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                for _ in range(_WARMUP_RUNS):
-                    self.model(ids, positions, payload)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                output = self.model(ids, positions, payload)
+            captured = capture_graph(
+                lambda: self.model(ids, positions, payload),
+                pool,
+                self.device,
+                f"the decode forward at batch size {size} x {query_len} rows",
+            )
+        if captured is None:
+            return None
+        graph, output = captured
         return _Capture(graph, packed, layout, metadata.slot_mapping, positions, output)
 
     def size_for(self, works: list[SeqWork]) -> tuple[int, int] | None:
@@ -144,8 +147,6 @@ class DecodeGraphs:
         rows, and rows beyond the first are all drafts under verification.
         """
         query_len = works[0].num_rows
-        if query_len not in self.query_lens or len(works) > self.sizes[-1]:
-            return None
         for work in works:
             if work.num_rows != query_len or work.context_len == 0:
                 return None
@@ -153,8 +154,12 @@ class DecodeGraphs:
                 return None
             if len(work.block_table) > self.table_width:
                 return None
-        size = next(s for s in self.sizes if s >= len(works))
-        return size, query_len
+        # The smallest capture that holds the batch; a size whose capture failed
+        # at start-up is simply absent.
+        fitting = [
+            key for key in self.captures if key[1] == query_len and key[0] >= len(works)
+        ]
+        return min(fitting, default=None)
 
     def run(
         self,
@@ -188,69 +193,3 @@ class DecodeGraphs:
         else:
             output = output[:num_rows]
         return output, capture.positions[:num_rows], capture.slot_mapping[:num_rows]
-
-
-class BlockPassGraphs:
-    """Captured DSpark block passes (backbone to base logits) per batch size.
-
-    The pass writes nothing, so padding is free: dummy sequences sit at position 0
-    with no visible context rows. Inputs live in one static int64 buffer per size:
-    anchors [B], anchor positions [B], block tables [B, W].
-    """
-
-    def __init__(
-        self,
-        draft: nn.Module,
-        sizes: list[int],
-        num_rows: int,
-        table_width: int,
-        device: torch.device,
-    ) -> None:
-        self.draft = draft
-        self.sizes = sorted(sizes)
-        self.num_rows = num_rows
-        self.table_width = table_width
-        self.device = device
-        self.captures: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, object]] = {}
-        pool = torch.cuda.graph_pool_handle()
-        for size in reversed(self.sizes):
-            packed = torch.zeros(
-                size * (2 + table_width), dtype=torch.long, device=device
-            )
-            args = self._views(packed, size)
-            stream = torch.cuda.Stream(device)
-            stream.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(stream):
-                for _ in range(_WARMUP_RUNS):
-                    draft.block_forward(*args, num_rows)
-            torch.cuda.current_stream(device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                logits = draft.block_forward(*args, num_rows)
-            self.captures[size] = (graph, packed, logits)
-        logger.info("captured %d DSpark block-pass graphs: %s", len(self.sizes), sizes)
-
-    def _views(
-        self, packed: torch.Tensor, size: int
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        anchors, positions, tables = packed.split([size, size, size * self.table_width])
-        return anchors, positions, tables.view(size, self.table_width)
-
-    def run(
-        self, anchors: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor
-    ) -> torch.Tensor | None:
-        """Base logits [B, T, V] of the real sequences, or None when no capture
-        covers the batch (run it eagerly). Inputs are device tensors."""
-        count, width = tables.shape
-        if count > self.sizes[-1] or width > self.table_width:
-            return None
-        size = next(s for s in self.sizes if s >= count)
-        graph, packed, logits = self.captures[size]
-        static_anchors, static_positions, static_tables = self._views(packed, size)
-        static_anchors[:count].copy_(anchors)
-        static_positions[:count].copy_(positions)
-        static_positions[count:].zero_()  # padding rows see no context
-        static_tables.zero_()
-        static_tables[:count, :width].copy_(tables)
-        graph.replay()
-        return logits[:count]

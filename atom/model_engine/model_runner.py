@@ -21,6 +21,7 @@ from atom.model_engine.batch import BatchOutput, ScheduledBatch, SeqWork
 from atom.model_engine.cache_engine import CacheEngine
 from atom.model_engine.cuda_graph import DecodeGraphs, capture_sizes
 from atom.model_engine.memory_ledger import log_memory_ledger, memory_ledger
+from atom.model_engine.memory_profile import kv_budget_bytes
 from atom.model_engine.model_inputs import prepare_inputs
 from atom.model_engine.step_sampler import StepSampler
 from atom.model_loader.build import building_on, load_target
@@ -66,6 +67,7 @@ class ModelRunner:
         self.step_sampler = StepSampler(self.proposer)
         self.cache: CacheEngine | None = None
         self.graphs: DecodeGraphs | None = None
+        self.use_graphs = self._can_capture_graphs()
         self.memory_ledger = memory_ledger(self.model, self.drafter)
         log_memory_ledger(self.memory_ledger)
 
@@ -90,10 +92,10 @@ class ModelRunner:
             self.dtype,
         )
         if relay.arms_taps:
-            logger.info("%s %s: %s", RELAY_MARKER, self._rank_label(), relay.describe())
+            logger.info("%s %s: %s", RELAY_MARKER, self.rank_label(), relay.describe())
         return relay
 
-    def _rank_label(self) -> str:
+    def rank_label(self) -> str:
         return f"pp_rank {self.pp.rank_in_group} tp_rank {get_tp_group().rank_in_group}"
 
     @property
@@ -104,20 +106,31 @@ class ModelRunner:
         return [self.model] + ([self.drafter.model] if self.drafter else [])
 
     def max_kv_blocks(self) -> int:
-        """KV blocks this rank can hold; the engine takes the minimum over ranks."""
+        """KV blocks this rank can hold; the engine takes the minimum over ranks.
+
+        On CUDA the worst steps run once first (`memory_profile.py`), so the
+        activations and graph pools they need are not handed to the cache."""
         if self.config.num_kvcache_blocks:
             return self.config.num_kvcache_blocks
         limits = self.limits
-        probe = self._cache_engine(num_blocks=0, num_state_slots=0)
-        per_block = max(probe.kv_bytes_per_block(), 1)
-        state = probe.state_bytes_per_slot() * limits.num_state_slots
+        self.cache = self._cache_engine(num_blocks=0, num_state_slots=0)
+        per_block = max(self.cache.kv_bytes_per_block(), 1)
+        state = self.cache.state_bytes_per_slot() * limits.num_state_slots
         if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = int(free * self.config.gpu_memory_utilization) - state
+            budget = kv_budget_bytes(
+                self, self._ranks_on_device(), self.use_graphs, state
+            )
         else:
             budget = CPU_KV_BUDGET_BYTES - state
+        self.cache = None
         wanted = limits.max_num_seqs * limits.max_blocks_per_seq
         return max(1, min(wanted, budget // per_block))
+
+    def _ranks_on_device(self) -> int:
+        # Ranks take GPUs round-robin (worker.rank_device).
+        world = self.config.parallel_config.world_size
+        count = torch.cuda.device_count()
+        return len(range(self.device.index or 0, world, count))
 
     def allocate_caches(self, num_blocks: int) -> None:
         self.cache = self._cache_engine(num_blocks, self.limits.num_state_slots)
@@ -125,12 +138,12 @@ class ModelRunner:
             logger.info(
                 "%s %s: %s of %d KDA layers, %d rows per state slot",
                 KDA_ROLLBACK_MARKER,
-                self._rank_label(),
+                self.rank_label(),
                 KDA_ROLLBACK_MODE,
                 len(self.cache.state_layers),
                 self.cache.num_spec_rows,
             )
-        if self._can_capture_graphs():
+        if self.use_graphs:
             self.graphs = self._capture_graphs()
 
     def _cache_engine(self, num_blocks: int, num_state_slots: int) -> CacheEngine:
@@ -153,14 +166,15 @@ class ModelRunner:
         tp = get_tp_group()
         if tp.world_size > 1 and dist.get_backend(tp.device_group) != "nccl":
             blockers.append("tensor-parallel ranks share a GPU over gloo")
-        if not all(
-            m.graph_capturable
-            for m in self.model.modules()
-            if hasattr(m, "graph_capturable")
-        ):
-            blockers.append(
-                "routed experts need a host sync here (grouped GEMM wants bf16 on sm90+)"
-            )
+        uncapturable = sorted(
+            {
+                type(m).__name__
+                for m in self.model.modules()
+                if not getattr(m, "graph_capturable", True)
+            }
+        )
+        if uncapturable:
+            blockers.append(f"{', '.join(uncapturable)} sync with the host here")
         if blockers:
             logger.info("running eagerly: %s", "; ".join(blockers))
         return not blockers

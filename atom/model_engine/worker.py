@@ -9,6 +9,7 @@ engine process (`die_with_parent`).
 
 from __future__ import annotations
 
+import gc
 import logging
 import multiprocessing as mp
 import os
@@ -312,4 +313,13 @@ class InProcessWorker:
         return [fn(self.runner)]
 
     def close(self) -> None:
+        """Give back what the runner took on the device (weights, caches, graph
+        pools), so another engine in this process has the memory."""
         self.outputs.clear()
+        if self.runner is None:
+            return
+        device = self.runner.device
+        self.runner = None
+        gc.collect()  # the drafter's hooks on the target form reference cycles
+        if device.type == "cuda":
+            torch.cuda.empty_cache()

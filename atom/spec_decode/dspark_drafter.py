@@ -17,12 +17,12 @@ from torch import nn
 
 from atom.config import Config
 from atom.distributed.parallel_state import get_pp_group, get_tp_group
-from atom.model_engine.cuda_graph import BlockPassGraphs
 from atom.model_loader.loader import load_weights, parameter_bytes
 from atom.model_ops.sampling_metadata import SamplingMetadata
 from atom.models.registry import draft_architecture, get_draft_model_class
 from atom.models.utils import PPMissingLayer, language_model_of
 from atom.spec_decode.aux_capture import TapCapture, allocate_tap_buffers
+from atom.spec_decode.block_pass_graphs import BlockPassGraphs
 from atom.spec_decode.draft_output import DraftOutput
 from atom.spec_decode.drafter import Drafter
 from atom.spec_decode.markov_head import markov_decode
@@ -197,7 +197,7 @@ class DSparkDrafter(Drafter):
         )
 
     def capture_graphs(self, sizes: list[int], table_width: int) -> None:
-        """Capture the block pass for these batch sizes (CUDA; see cuda_graph.py)."""
+        """Capture the block pass for these batch sizes (CUDA; see block_pass_graphs.py)."""
         self.block_graphs = BlockPassGraphs(
             self.model,
             sizes,
