@@ -39,16 +39,25 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
-from transformers import (  # noqa: E402
-    KimiLinearConfig,
-    KimiLinearForCausalLM,
-    PreTrainedTokenizerFast,
-)
+from transformers import KimiLinearConfig, PreTrainedTokenizerFast  # noqa: E402
 
 from atom import LLMEngine, SamplingParams  # noqa: E402
 from atom.config import Config  # noqa: E402
 
 HBM_BYTES_PER_S = 4.8e12  # H200
+STARTED = time.perf_counter()
+
+
+def progress(message: str) -> None:
+    """A timestamped line to stderr: a run stopped by a time limit still shows how
+    far each phase got and what it cost."""
+    print(
+        f"[{time.perf_counter() - STARTED:7.1f} s] {message}",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
 DTYPES = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
@@ -174,15 +183,37 @@ def write_tokenizer(folder: Path, config: KimiLinearConfig) -> None:
     ).save_pretrained(folder)
 
 
-def build_checkpoint(preset: Preset, folder: Path, device: str, seed: int) -> None:
-    torch.manual_seed(seed)
+def kimi_linear_class(with_fla: bool) -> type:
+    """transformers' KimiLinearForCausalLM, with or without fla's KDA kernels.
+
+    transformers binds fla's kernels when its modeling module is imported and fla
+    imports (atom's CUDA backend needs fla installed). Its torch path is the faster
+    of the two on the H200 (128 new tokens at batch 32: 9.6 s without fla, 22.7 s
+    with it, after a first call of about 110 s of Triton autotuning), so the peer
+    runs without fla unless --transformers-fla asks for it.
+    """
+    hide = not with_fla and "fla" not in sys.modules
+    if hide:
+        sys.modules["fla"] = None  # `import fla` raises ImportError meanwhile
+    try:
+        return transformers.KimiLinearForCausalLM
+    finally:
+        if hide:
+            del sys.modules["fla"]
+
+
+def build_checkpoint(preset: Preset, folder: Path, args: argparse.Namespace) -> None:
+    device = args.device
+    torch.manual_seed(args.seed)
     config = kimi_config(preset)
     with torch.device(device):
-        model = KimiLinearForCausalLM(config)  # transformers' own seeded init
+        # transformers' own seeded init
+        model = kimi_linear_class(args.transformers_fla)(config)
     model.to(DTYPES[preset.dtype]).save_pretrained(folder)
     write_tokenizer(folder, config)
     del model
     free_device_memory(device)
+    progress(f"checkpoint written to {folder}")
 
 
 def free_device_memory(device: str) -> None:
@@ -276,11 +307,12 @@ def run_transformers(
 ) -> dict[int, tuple[list[list[int]], float]]:
     """Greedy continuations and seconds per batch size (skipped sizes absent)."""
     dtype = DTYPES[args.dtype]
-    model = KimiLinearForCausalLM.from_pretrained(
+    model = kimi_linear_class(args.transformers_fla).from_pretrained(
         folder, dtype=dtype, attn_implementation=args.hf_attn
     )
     model = model.to(args.device).eval()
     model.generation_config.eos_token_id = None  # like atom's ignore_eos
+    progress("transformers model loaded")
     pad = model.config.pad_token_id
 
     def generate(batch: list[list[int]], new_tokens: int) -> list[list[int]]:
@@ -310,6 +342,7 @@ def run_transformers(
         tokens = generate(prompts[:batch], args.output_len)
         synchronize(args.device)
         results[batch] = tokens, time.perf_counter() - start
+        progress(f"transformers batch {batch}: {results[batch][1]:.2f} s")
     return results
 
 
@@ -346,6 +379,7 @@ def run_atom(
     batch_sizes: list[int],
 ) -> dict[int, AtomRun]:
     engine = LLMEngine(str(folder), **atom_engine_kwargs(args, max(batch_sizes)))
+    progress("atom engine started")
 
     def generate(batch: list[list[int]], new_tokens: int) -> tuple[list, float]:
         params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
@@ -360,6 +394,7 @@ def run_atom(
             _, prefill = generate(prompts[:batch], 1)
             tokens, seconds = generate(prompts[:batch], args.output_len)
             results[batch] = AtomRun(tokens, seconds, prefill)
+            progress(f"atom batch {batch}: {seconds:.2f} s")
     finally:
         engine.close()
     return results
@@ -433,6 +468,11 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--hf-attn", default="sdpa", help="transformers attention")
     parser.add_argument(
+        "--transformers-fla",
+        action="store_true",
+        help="let transformers use fla's KDA kernels (its slower path on the H200)",
+    )
+    parser.add_argument(
         "--checkpoint",
         help="folder for the checkpoint; reused if it holds one (default: temp)",
     )
@@ -471,7 +511,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(args.checkpoint or Path(tmp) / "kimi-linear")
         if not (folder / "config.json").is_file():
-            build_checkpoint(preset, folder, args.device, args.seed)
+            build_checkpoint(preset, folder, args)
         config = kimi_config(preset)
         specials = (config.bos_token_id, config.eos_token_id, config.pad_token_id)
         prompts = random_prompts(

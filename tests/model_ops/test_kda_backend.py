@@ -69,7 +69,9 @@ def test_torch_backend_runs_chunked_prefill_and_token_decode():
 )
 def test_fla_backend_matches_torch_on_cuda():
     gen = torch.Generator(device="cuda").manual_seed(0)
-    seqs, tokens, heads, dim = 3, 150, 4, 64
+    # tiny-kimi-k3's KDA widths: fla's first call at a width costs about 80 s of
+    # Triton autotuning on an H200, which the CUDA graph tests then reuse.
+    seqs, tokens, heads, dim = 3, 150, 4, 32
 
     def randn(*shape):
         return torch.randn(*shape, generator=gen, device="cuda")
