@@ -17,15 +17,18 @@ its rank processes.
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from multiprocessing.connection import Connection
 from typing import Any, Protocol
 
 import torch.distributed as dist
 
 from atom.distributed.node_layout import NodeLayout
-from atom.distributed.node_rendezvous import error_line
 from atom.distributed.parallel_state import GroupCoordinator
+
+logger = logging.getLogger(__name__)
 
 CLOSED = "closed"
 # How long rank 0 waits at shutdown for the other nodes' ranks to say goodbye.
@@ -94,16 +97,22 @@ class HeadChannel(LocalChannel):
             while (message := group.recv_object(rank))[0] != CLOSED:
                 self.results.put(message)
         except Exception as error:
-            node = self.layout.node_of(rank)
+            # gloo's text names only a socket address; the node is what matters.
+            logger.debug("reports of rank %d ended: %s", rank, error)
             self.lost.send(
-                f"node {node} is gone: its rank {rank} "
-                f"({self.layout.describe_rank(rank)}) dropped the connection to rank "
-                f"0 ({error_line(error)})"
+                f"node {self.layout.node_of(rank)} is gone: its rank {rank} "
+                f"({self.layout.describe_rank(rank)}) dropped its connection to "
+                "rank 0"
             )
 
     def close(self) -> None:
+        deadline = time.monotonic() + CLOSE_WAIT_S
         for thread in self.forwarders:
-            thread.join(timeout=CLOSE_WAIT_S)
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
+
+
+class NodeGone(RuntimeError):
+    """Node 0 (rank 0) can no longer be reached: nothing is left to report to."""
 
 
 class RemoteChannel:
@@ -113,15 +122,28 @@ class RemoteChannel:
         self, rank: int, control: GroupCoordinator, report: GroupCoordinator
     ) -> None:
         self.rank, self.control, self.report = rank, control, report
+        self.broken = False
 
     def next_task(self) -> Any:
-        return self.control.broadcast_object(None, src=0)
+        try:
+            return self.control.broadcast_object(None, src=0)
+        except RuntimeError as error:
+            self._break(error)
 
     def put(self, message: tuple) -> None:
-        self.report.send_object(message, dst=0)
+        try:
+            self.report.send_object(message, dst=0)
+        except RuntimeError as error:
+            self._break(error)
+
+    def _break(self, error: RuntimeError) -> None:
+        self.broken = True
+        logger.debug("rank %d lost rank 0: %s", self.rank, error)
+        raise NodeGone("lost the connection to rank 0 on node 0") from None
 
     def close(self) -> None:
-        self.put((CLOSED, self.rank))
+        if not self.broken:
+            self.put((CLOSED, self.rank))
 
 
 def rank_channel(

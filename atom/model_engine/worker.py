@@ -30,7 +30,7 @@ from atom.config import Config
 from atom.distributed.dist_interface import use_node_interface
 from atom.distributed.node_layout import NodeLayoutError
 from atom.distributed.node_membership import NodeMembership
-from atom.distributed.node_relay import rank_channel
+from atom.distributed.node_relay import NodeGone, rank_channel
 from atom.distributed.parallel_state import (
     destroy_distributed,
     get_pp_group,
@@ -162,6 +162,9 @@ def worker_main(
             output = runner.execute(task)
             if output is not None and reports:
                 channel.put(("output", output))
+    except NodeGone as gone:  # its node's supervisor says why the node ends
+        logger.error("rank %d stops: %s", rank, gone)
+        raise SystemExit(1) from None
     except BaseException:
         failure = ("error", rank, traceback.format_exc())
         if channel is not None:
