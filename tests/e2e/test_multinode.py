@@ -3,9 +3,10 @@
 Node 0 serves (engine, scheduler, HTTP, its ranks); node 1 runs `--headless` with
 its ranks only. Greedy ids across the node boundary (pp2 x tp2 with DSpark, so the
 tap relay and the drafter's embedding copy cross it) must equal the offline pp1 x
-tp1 engine; killing either node must end the other (node 0 exits non-zero and names
-node 1; node 1's ranks go with node 0); a wrong world size or another model on
-node 1 is refused before any rank starts. Deadlines are generous: the machine may
+tp1 engine, served or offline (`LLMEngine(nnodes=2, ...)` as node 0); a clean close
+of node 0 ends node 1 with status 0, and killing either node ends the other (node 0
+exits non-zero and names node 1; node 1's ranks go with node 0); a wrong world size
+or another model on node 1 is refused before any rank starts. Deadlines are generous: the machine may
 be a loaded 2-core box, and no assertion is about time.
 """
 
@@ -139,7 +140,7 @@ def test_pp2_tp2_dspark_over_two_nodes_then_node_0_dies(offline_ids, tmp_path):
     )
     try:
         wait_serving(nodes)
-        node_1_ranks = ranks_of(nodes[1])
+        node_ranks = [ranks_of(node) for node in nodes]
         served = []
         with httpx.Client(base_url=nodes[0].url, timeout=300) as client:
             for prompt in corpus_prompts():
@@ -163,15 +164,15 @@ def test_pp2_tp2_dspark_over_two_nodes_then_node_0_dies(offline_ids, tmp_path):
     assert "placement: node 0: ranks 0-1 = pp stage 0 (tp 2 each)" in log_0
     assert "placement: node 1: ranks 2-3 = pp stage 1 (tp 2 each)" in log_1
     assert node_1_code != 0, log_1[-3000:]
-    assert len(node_1_ranks) >= 2
-    assert survivors(node_1_ranks, ORPHAN_DEADLINE_S) == []
+    assert all(len(ranks) >= 2 for ranks in node_ranks)
+    assert survivors(sum(node_ranks, []), ORPHAN_DEADLINE_S) == []
 
 
 def test_node_1_dies_and_node_0_reports_it(tmp_path):
     nodes = start_nodes(tmp_path, ["-pp", "2", "-tp", "1", *K3, *ENGINE_FLAGS])
     try:
         wait_serving(nodes)
-        node_0_ranks = ranks_of(nodes[0])
+        node_ranks = ranks_of(nodes[0]) + ranks_of(nodes[1])
         nodes[1].process.send_signal(signal.SIGKILL)
         # /health is read while node 0 still answers; it may be gone already.
         reasons = []
@@ -191,7 +192,35 @@ def test_node_1_dies_and_node_0_reports_it(tmp_path):
     assert code != 0, log_0[-3000:]
     assert "the engine died (node 1 " in log_0, log_0[-3000:]
     assert all("node 1" in reason for reason in reasons), reasons
-    assert survivors(node_0_ranks, ORPHAN_DEADLINE_S) == []
+    assert survivors(node_ranks, ORPHAN_DEADLINE_S) == []
+
+
+def test_the_offline_engine_is_node_0_and_a_clean_close_ends_node_1(
+    offline_ids, tmp_path
+):
+    master_port = free_port()
+    node_1 = Node(1, master_port, ["-pp", "2", "-tp", "1", *K3, *ENGINE_FLAGS],
+                  tmp_path / "node1.log")  # fmt: skip
+    try:
+        engine = make_engine(
+            "tiny-kimi-k3",
+            pipeline_parallel_size=2,
+            skip_tokenizer_init=True,
+            nnodes=2,
+            node_rank=0,
+            master_addr="127.0.0.1",
+            master_port=master_port,
+        )
+        try:
+            results = engine.generate(corpus_prompts(), GREEDY)
+        finally:
+            engine.close()
+        code = node_1.wait_exit()
+    finally:
+        node_1.kill()
+    assert [r["token_ids"] for r in results] == offline_ids
+    assert code == 0, node_1.log()[-3000:]
+    assert "node 0 closed the world; node 1 exits" in node_1.log()
 
 
 @pytest.mark.parametrize(
