@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import fcntl
 import ipaddress
+import logging
 import os
 import socket
 import struct
 
 from atom.distributed.node_layout import NodeLayout, NodeLayoutError
 from atom.distributed.rank_process import SOCKET_IFNAME_VARIABLES, loopback_interface
+
+logger = logging.getLogger(__name__)
 
 # linux/sockios.h: read an interface's IPv4 address.
 SIOCGIFADDR = 0x8915
@@ -65,9 +68,16 @@ def use_node_interface(layout: NodeLayout) -> str | None:
             )
         for variable in SOCKET_IFNAME_VARIABLES:
             os.environ[variable] = layout.dist_interface
-        return layout.dist_interface
-    guess = interface_of(source_address(layout.master_addr, layout.master_port))
-    if guess is not None:
-        for variable in SOCKET_IFNAME_VARIABLES:
-            os.environ.setdefault(variable, guess)
-    return os.environ.get(SOCKET_IFNAME_VARIABLES[0], guess)
+        chosen = layout.dist_interface
+    else:
+        guess = interface_of(source_address(layout.master_addr, layout.master_port))
+        if guess is not None:
+            for variable in SOCKET_IFNAME_VARIABLES:
+                os.environ.setdefault(variable, guess)
+        chosen = os.environ.get(SOCKET_IFNAME_VARIABLES[0], guess)
+    logger.info(
+        "node %d: gloo / NCCL sockets on interface %s",
+        layout.node_rank,
+        chosen or "(their own choice)",
+    )
+    return chosen

@@ -30,6 +30,23 @@ from atom.distributed.node_rendezvous import (
 logger = logging.getLogger(__name__)
 
 BEAT_S = 1.0
+# Settings every rank must share: they size the caches and state slots, split the
+# layers and shape each step, and every node's ranks build from their own node's.
+RANK_SETTINGS = (
+    "device",
+    "dtype",
+    "max_model_len",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "block_size",
+    "num_kvcache_blocks",
+    "enable_prefix_caching",
+    "enable_chunked_prefill",
+    "kv_role",
+    "pp_layer_partition",
+    "method",
+    "num_speculative_tokens",
+)
 
 
 class NodeMembership:
@@ -43,7 +60,11 @@ class NodeMembership:
         # Kept for the life of this object: on node 0 it is the server itself.
         self._server = connect_store(layout, layout.join_timeout, host)
         store = node_store(self._server)
-        facts = {**layout.facts(), "model": model_fingerprint(config)}
+        facts = {
+            **layout.facts(),
+            "settings": {name: getattr(config, name) for name in RANK_SETTINGS},
+            "model": model_fingerprint(config),
+        }
         if layout.node_rank == 0:
             meet_as_head(store, layout, facts)
         else:

@@ -93,6 +93,10 @@ def facts_difference(mine: dict, theirs: dict) -> str | None:
 
     if world(mine) != world(theirs):
         return f"{world(theirs)} instead of node 0's {world(mine)}"
+    for name, value in mine["settings"].items():
+        if theirs["settings"].get(name) != value:
+            flag = "--" + name.replace("_", "-")
+            return f"{flag} {theirs['settings'].get(name)} instead of node 0's {value}"
     difference = fingerprint_difference(theirs["model"], mine["model"])
     if difference is not None:
         return f"another model: {difference} (this node's vs node 0's)"

@@ -48,8 +48,7 @@ def join_as_member(args: argparse.Namespace) -> tuple[Config, NodeMembership]:
             f"--nnodes > 1 and --node-rank >= 1 (got --nnodes {layout.nnodes} "
             f"--node-rank {layout.node_rank}); node 0 serves without --headless"
         )
-    interface = use_node_interface(layout)
-    logger.info("node %d: gloo / NCCL on interface %s", layout.node_rank, interface)
+    use_node_interface(layout)
     return config, NodeMembership(config)
 
 

@@ -5,6 +5,11 @@ batch through that rank's queue; the last stage's TP rank 0 sends back the batch
 output message. A rank that fails reports its traceback; a rank that dies is noticed by
 liveness checks, so the engine raises instead of hanging. A rank never outlives the
 engine process (`die_with_parent`).
+
+Across nodes the engine process holds node 0's ranks only; rank 0 relays every task
+to the other nodes' ranks and their messages back (node_relay.py), and a lost node
+counts as a dead rank (node_membership.py). Each other node's `atom serve
+--headless` starts its own ranks with `start_ranks` (entrypoints/headless.py).
 """
 
 from __future__ import annotations
@@ -224,8 +229,10 @@ class WorkerGroup:
         self.layout = layout = config.node_layout
         self.nodes: NodeMembership | None = None
         self._lost_lock = threading.Lock()
+        # Rank 0 names a lost node on this pipe; the parent keeps the writer open
+        # too, so the reader never sees EOF.
         self._lost: Connection | None = None
-        lost_writer = None
+        self._lost_writer: Connection | None = None
         if layout.node_rank != 0:
             raise NodeLayoutError(
                 f"the engine runs on node 0; start node {layout.node_rank} with "
@@ -234,12 +241,10 @@ class WorkerGroup:
         if layout.is_multinode:
             use_node_interface(layout)
             self.nodes = NodeMembership(config)
-            # The parent keeps the writer open, so the reader never sees EOF.
             self._lost, self._lost_writer = ctx.Pipe(duplex=False)
-            lost_writer = self._lost_writer
         self.results: mp.Queue = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in layout.my_ranks]
-        self.procs = start_ranks(config, self.tasks, self.results, lost_writer)
+        self.procs = start_ranks(config, self.tasks, self.results, self._lost_writer)
         kind, info = self._receive(STARTUP_TIMEOUT_S)
         if kind != "ready":
             raise RuntimeError(f"unexpected start-up message {kind!r}")

@@ -163,10 +163,14 @@ def test_the_fingerprint_sees_the_weights_config_and_architecture(tmp_path):
     )
 
 
-def facts(tp: int, model: str = "m") -> dict:
+def facts(tp: int, model: str = "m", max_num_seqs: int = 8) -> dict:
     nodes = layout(tp, 2)
     fingerprint = {"architecture": model, "config": "c", "weights": "w"}
-    return {**nodes.facts(), "model": {"target": fingerprint, "draft": None}}
+    return {
+        **nodes.facts(),
+        "settings": {"max_num_seqs": max_num_seqs},
+        "model": {"target": fingerprint, "draft": None},
+    }
 
 
 def meet(facts_0: dict, facts_1: dict, join_timeout: float = 60.0) -> list:
@@ -203,7 +207,7 @@ def test_nodes_that_agree_meet():
     assert meet(facts(2), facts(2)) == [None, None]
 
 
-def test_a_node_with_another_world_or_model_is_refused_on_both_sides():
+def test_a_node_with_another_world_setting_or_model_is_refused_on_both_sides():
     head, member = meet(facts(2), facts(1))
     assert (
         str(head)
@@ -212,6 +216,12 @@ def test_a_node_with_another_world_or_model_is_refused_on_both_sides():
             "node 1 refused: world size 2 (pp 2 x tp 1, 2 nodes) instead of node 0's "
             "world size 4 (pp 2 x tp 2, 2 nodes)"
         )
+    )
+    head, member = meet(facts(2), facts(2, max_num_seqs=64))
+    assert (
+        str(head)
+        == str(member)
+        == ("node 1 refused: --max-num-seqs 64 instead of node 0's 8")
     )
     head, member = meet(facts(2), facts(2, model="other"))
     assert "another model: target model architecture: other vs m" in str(head)
