@@ -52,7 +52,8 @@ RANK_SETTINGS = (
 class NodeMembership:
     """Join at construction (raises NodeLayoutError on a refusal), then watch."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, backend: str) -> None:
+        """`backend`: the one this node's ranks will use; all nodes must agree."""
         self.layout = layout = config.node_layout
         for line in layout.placement_lines():
             logger.info("placement: %s", line)
@@ -62,6 +63,7 @@ class NodeMembership:
         store = node_store(self._server)
         facts = {
             **layout.facts(),
+            "backend": backend,
             "settings": {name: getattr(config, name) for name in RANK_SETTINGS},
             "model": model_fingerprint(config),
         }

@@ -93,6 +93,11 @@ def facts_difference(mine: dict, theirs: dict) -> str | None:
 
     if world(mine) != world(theirs):
         return f"{world(theirs)} instead of node 0's {world(mine)}"
+    if theirs["backend"] != mine["backend"]:
+        return (
+            f"ranks on {theirs['backend']} instead of node 0's {mine['backend']} "
+            "(nccl needs a GPU per rank on every node)"
+        )
     for name, value in mine["settings"].items():
         if theirs["settings"].get(name) != value:
             flag = "--" + name.replace("_", "-")

@@ -21,7 +21,7 @@ from atom.distributed.dist_interface import use_node_interface
 from atom.distributed.node_layout import NodeLayoutError, torchrun_settings
 from atom.distributed.node_membership import NodeMembership
 from atom.model_engine.arg_utils import EngineArgs
-from atom.model_engine.worker import start_ranks
+from atom.model_engine.worker import choose_backend, start_ranks
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ def join_as_member(args: argparse.Namespace) -> tuple[Config, NodeMembership]:
             f"--node-rank {layout.node_rank}); node 0 serves without --headless"
         )
     use_node_interface(layout)
-    return config, NodeMembership(config)
+    return config, NodeMembership(config, choose_backend(config))
 
 
 def supervise(config: Config, nodes: NodeMembership, procs: list) -> int:

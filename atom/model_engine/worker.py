@@ -240,7 +240,7 @@ class WorkerGroup:
             )
         if layout.is_multinode:
             use_node_interface(layout)
-            self.nodes = NodeMembership(config)
+            self.nodes = NodeMembership(config, choose_backend(config))
             self._lost, self._lost_writer = ctx.Pipe(duplex=False)
         self.results: mp.Queue = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in layout.my_ranks]

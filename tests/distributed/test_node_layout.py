@@ -4,6 +4,7 @@ check and the model fingerprint (real stores, real checkpoints; no processes).""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from atom.distributed.model_fingerprint import (
     model_fingerprint,
 )
 from atom.distributed.node_layout import NodeLayout, NodeLayoutError, torchrun_settings
+from atom.distributed.node_membership import NodeMembership
 from atom.distributed.node_rendezvous import (
     connect_store,
     meet_as_head,
@@ -168,6 +170,7 @@ def facts(tp: int, model: str = "m", max_num_seqs: int = 8) -> dict:
     fingerprint = {"architecture": model, "config": "c", "weights": "w"}
     return {
         **nodes.facts(),
+        "backend": "gloo",
         "settings": {"max_num_seqs": max_num_seqs},
         "model": {"target": fingerprint, "draft": None},
     }
@@ -231,3 +234,48 @@ def test_a_node_with_another_world_setting_or_model_is_refused_on_both_sides():
 def test_a_node_that_never_joins_is_named():
     head, _ = meet(facts(2), None, join_timeout=0.5)
     assert "node 1 did not join the rendezvous at 127.0.0.1:" in str(head)
+
+
+def test_a_node_that_finds_no_node_0_says_where_it_looked():
+    nobody = layout(2, 2, master_port=free_port(), node_rank=1)
+    with pytest.raises(NodeLayoutError, match="could not reach node 0's rendezvous"):
+        connect_store(nobody, 1, host=False)
+
+
+@pytest.mark.parametrize(
+    "end, reason",
+    [
+        # A hung or cut-off machine: its sockets stay open, its heartbeat stops.
+        ("close", "node 1 sent no heartbeat for 1 s (--node-timeout)"),
+        ("report_failure", "node 1 failed: rank 2 exited with code -9"),
+    ],
+)
+def test_node_0_names_a_node_that_goes_silent_or_fails(end, reason):
+    """Two real memberships over one store, joined from two threads."""
+    settings = dict(model="tiny-kimi-k3", pipeline_parallel_size=2, nnodes=2)
+    settings.update(master_addr="127.0.0.1", master_port=free_port())
+    settings.update(node_timeout=1.0)
+    joined: dict[int, NodeMembership] = {}
+
+    def join(rank: int) -> None:
+        joined[rank] = NodeMembership(Config(**settings, node_rank=rank), "gloo")
+
+    threads = [threading.Thread(target=join, args=(rank,)) for rank in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    head, member = joined[0], joined[1]
+    try:
+        assert member.lost() is None
+        if end == "close":
+            member.close()
+        else:
+            member.report_failure("rank 2 exited with code -9")
+        deadline = time.monotonic() + 120
+        while head.lost() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert head.lost() == reason
+    finally:
+        head.close()
+        member.close()
