@@ -24,7 +24,12 @@ import pytest
 
 from atom.distributed.rank_process import free_port
 from tests.e2e.pp_probe import GREEDY, SETTINGS, T, corpus_prompts, make_engine
-from tests.process_helpers import child_pids, survivors
+from tests.process_helpers import (
+    child_pids,
+    is_loopback,
+    listening_addresses,
+    survivors,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT_S = 300
@@ -141,6 +146,10 @@ def test_pp2_tp2_dspark_over_two_nodes_then_node_0_dies(offline_ids, tmp_path):
     try:
         wait_serving(nodes)
         node_ranks = [ranks_of(node) for node in nodes]
+        listening = {
+            pid: listening_addresses(pid)
+            for pid in [nodes[0].process.pid, *node_ranks[0], *node_ranks[1]]
+        }
         served = []
         with httpx.Client(base_url=nodes[0].url, timeout=300) as client:
             for prompt in corpus_prompts():
@@ -164,6 +173,9 @@ def test_pp2_tp2_dspark_over_two_nodes_then_node_0_dies(offline_ids, tmp_path):
     assert "placement: node 0: ranks 0-1 = pp stage 0 (tp 2 each)" in log_0
     assert "placement: node 1: ranks 2-3 = pp stage 1 (tp 2 each)" in log_1
     assert node_1_code != 0, log_1[-3000:]
+    # The store, the HTTP server and gloo: loopback only, never every interface.
+    assert listening[nodes[0].process.pid]
+    assert all(is_loopback(a) for a in sum(listening.values(), [])), listening
     assert all(len(ranks) >= 2 for ranks in node_ranks)
     assert survivors(sum(node_ranks, []), ORPHAN_DEADLINE_S) == []
 
