@@ -34,8 +34,8 @@ OK = "ok"
 
 
 def _listener(host: str, port: int) -> socket.socket:
-    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
     try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
         return socket.create_server((host, port), family=family)
     except OSError as error:
         raise NodeLayoutError(
