@@ -15,7 +15,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from atom.distributed.node_layout import NodeLayoutError
-from atom.entrypoints.headless import run_headless, runs_headless
 from atom.entrypoints.openai.async_engine import AsyncEngine, EngineDeadError
 from atom.entrypoints.openai.metrics import (
     CONTENT_TYPE,
@@ -233,6 +232,9 @@ def _exit_cleanly(signum: int, frame: Any) -> None:
 def run_server(args: argparse.Namespace) -> None:
     """Serve until SIGTERM / Ctrl-C (exit 0) or until the engine dies (exit 1, so
     that a supervisor restarts the server)."""
+    # Imported here: a headless node needs the rank modules, parsing flags does not.
+    from atom.entrypoints.headless import run_headless, runs_headless
+
     if runs_headless(args):
         run_headless(args)
         return
