@@ -40,9 +40,13 @@ def source_address(master_addr: str, master_port: int) -> str:
 
 
 def interface_of(address: str) -> str | None:
-    """The name of the interface that holds IPv4 `address`, if any."""
-    if ipaddress.ip_address(address).is_loopback:
+    """The name of the interface that holds IPv4 `address`, if any (IPv6: None,
+    left to gloo / NCCL or --dist-interface)."""
+    ip = ipaddress.ip_address(address)
+    if ip.is_loopback:
         return loopback_interface()
+    if ip.version != 4:
+        return None
     packed = socket.inet_aton(address)
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
         for _, name in socket.if_nameindex():

@@ -31,7 +31,11 @@ STOP_GRACE_S = 5.0
 
 def runs_headless(args: argparse.Namespace) -> bool:
     """--headless, or a node other than 0 under torchrun (one command for all)."""
-    return args.headless or torchrun_settings(os.environ).get("node_rank", 0) != 0
+    try:
+        torchrun = torchrun_settings(os.environ)
+    except NodeLayoutError as error:
+        raise SystemExit(f"atom serve: {error}") from None
+    return args.headless or torchrun.get("node_rank", 0) != 0
 
 
 def _exit_cleanly(signum: int, frame: Any) -> None:
