@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from atom.distributed.node_layout import NodeLayout, torchrun_settings
+
 KV_ROLES = ("none", "kv_producer", "kv_consumer")
 SPECULATIVE_METHODS = ("dspark", "eagle3", "mtp")
 DTYPES = {
@@ -79,10 +81,6 @@ class ParallelConfig:
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
-
-    def describe_rank(self, rank: int) -> str:
-        tp = self.tensor_parallel_size
-        return f"pp_rank {rank // tp}, tp_rank {rank % tp}"
 
 
 @dataclass(frozen=True)
@@ -224,6 +222,14 @@ class EngineSettings:
     draft_model: str | None = None
     # Drafts per decoding step; 0 once a Config is built without a speculative method.
     num_speculative_tokens: int = 1
+    # More than one machine (node_layout.py): node 0 serves, the others run ranks.
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str | None = None
+    master_port: int | None = None
+    dist_interface: str | None = None
+    join_timeout: float = 300.0
+    node_timeout: float = 30.0
 
 
 @dataclass
@@ -234,6 +240,8 @@ class Config(EngineSettings):
     hf_config: HFConfig = field(default_factory=HFConfig)
     # Built from method, draft_model and num_speculative_tokens.
     speculative_config: SpeculativeConfig | None = field(default=None, init=False)
+    # Set under torchrun, whose agent serves the rendezvous store itself.
+    store_hosted_elsewhere: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
         from atom.models.tiny import resolve_model_path
@@ -266,13 +274,31 @@ class Config(EngineSettings):
         text = self.hf_config.text
         if self.max_model_len is None:
             self.max_model_len = int(text.first_of(CONTEXT_LENGTH_FIELDS) or 4096)
-        # Building them validates the rank layout and every limit.
-        _ = self.parallel_config, self.limits
+        if self.nnodes == 1:
+            for name, value in torchrun_settings(os.environ).items():
+                setattr(self, name, value)
+        # Building them validates the rank layout, the nodes and every limit.
+        _ = self.parallel_config, self.limits, self.node_layout
         self._validate_parallel(text)
 
     @property
     def parallel_config(self) -> ParallelConfig:
         return ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size)
+
+    @property
+    def node_layout(self) -> NodeLayout:
+        return NodeLayout(
+            self.tensor_parallel_size,
+            self.pipeline_parallel_size,
+            nnodes=self.nnodes,
+            node_rank=self.node_rank,
+            master_addr=self.master_addr,
+            master_port=self.master_port,
+            dist_interface=self.dist_interface,
+            join_timeout=self.join_timeout,
+            node_timeout=self.node_timeout,
+            store_hosted_elsewhere=self.store_hosted_elsewhere,
+        )
 
     @property
     def limits(self) -> EngineLimits:

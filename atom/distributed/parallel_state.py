@@ -14,6 +14,8 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
+from atom.distributed.node_layout import NodeLayout
+from atom.distributed.node_rendezvous import world_store
 from atom.distributed.rank_process import loopback_store, use_loopback_sockets
 
 
@@ -163,16 +165,22 @@ def init_distributed(
     rank: int,
     backend: str,
     master_port: int,
+    nodes: NodeLayout | None = None,
 ) -> None:
     """Join the world and build this rank's TP and PP groups (every rank calls this).
 
-    The world lives on this machine: rank 0 serves the rendezvous store on
-    loopback `master_port`, and gloo / NCCL sockets stay on loopback too.
+    On one machine rank 0 serves the rendezvous store on loopback `master_port`,
+    and gloo / NCCL sockets stay on loopback too. Across `nodes`, every rank is a
+    client of node 0's store, and the sockets use the interface the node process
+    chose (dist_interface.py).
     """
     global _TP, _PP
     world = tp_size * pp_size
-    use_loopback_sockets()
-    store = loopback_store(rank, world, master_port)
+    if nodes is not None and nodes.is_multinode:
+        store = world_store(nodes)
+    else:
+        use_loopback_sockets()
+        store = loopback_store(rank, world, master_port)
     dist.init_process_group(backend, store=store, world_size=world, rank=rank)
     _TP, _PP = _new_groups(tp_size, pp_size, rank, backend)
 

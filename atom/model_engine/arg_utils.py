@@ -13,7 +13,12 @@ from atom.config import (
     parse_partition,
 )
 from atom.sampling_params import MAX_SEED, SEED_RULE
-from atom.utils.arg_parser import FlexibleArgumentParser, positive_int
+from atom.utils.arg_parser import (
+    FlexibleArgumentParser,
+    non_negative_int,
+    positive_int,
+    positive_seconds,
+)
 
 # The tiny test checkpoints ship a matching DSpark draft, so `--method dspark`
 # works on them without naming one.
@@ -104,6 +109,51 @@ def _capture_sizes(text: str) -> list[int]:
             f"capture sizes must be positive integers, got {text!r}"
         )
     return sizes
+
+
+def add_node_args(parser: FlexibleArgumentParser, defaults: EngineSettings) -> None:
+    """The flags of a world spread over several machines (docs/serving.md)."""
+    nodes = parser.add_argument_group(
+        "multi-node", "one world over several machines; torchrun's variables also work"
+    )
+    nodes.add_argument(
+        "--nnodes", type=positive_int, default=defaults.nnodes, help="machines"
+    )
+    nodes.add_argument(
+        "--node-rank",
+        type=non_negative_int,
+        default=defaults.node_rank,
+        help="this machine's index; 0 serves, the others run with --headless",
+    )
+    nodes.add_argument(
+        "--master-addr",
+        default=defaults.master_addr,
+        help="address of node 0, where it serves the rendezvous (and only there)",
+    )
+    nodes.add_argument(
+        "--master-port",
+        type=positive_int,
+        default=defaults.master_port,
+        help="rendezvous port on node 0; keep it on a trusted network",
+    )
+    nodes.add_argument(
+        "--dist-interface",
+        default=defaults.dist_interface,
+        help="network interface for gloo / NCCL (sets GLOO_SOCKET_IFNAME and "
+        "NCCL_SOCKET_IFNAME); None = the one that reaches --master-addr",
+    )
+    nodes.add_argument(
+        "--join-timeout",
+        type=positive_seconds,
+        default=defaults.join_timeout,
+        help="seconds every node may take to join; a missing one is named",
+    )
+    nodes.add_argument(
+        "--node-timeout",
+        type=positive_seconds,
+        default=defaults.node_timeout,
+        help="seconds without a heartbeat after which a node counts as dead",
+    )
 
 
 @dataclass
@@ -219,6 +269,7 @@ class EngineArgs(EngineSettings):
             action="store_true",
             help="accepted for compatibility; atom runs no remote code",
         )
+        add_node_args(parser, defaults)
         for names, hint in UNSUPPORTED_ENGINE_FLAGS.items():
             parser.add_unsupported_argument(*names, hint=hint)
         return parser

@@ -5,6 +5,11 @@ batch through that rank's queue; the last stage's TP rank 0 sends back the batch
 output message. A rank that fails reports its traceback; a rank that dies is noticed by
 liveness checks, so the engine raises instead of hanging. A rank never outlives the
 engine process (`die_with_parent`).
+
+Across nodes the engine process holds node 0's ranks only; rank 0 relays every task
+to the other nodes' ranks and their messages back (node_relay.py), and a lost node
+counts as a dead rank (node_membership.py). Each other node's `atom serve
+--headless` starts its own ranks with `start_ranks` (entrypoints/headless.py).
 """
 
 from __future__ import annotations
@@ -14,17 +19,23 @@ import logging
 import multiprocessing as mp
 import os
 import queue
+import threading
 import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing import connection
+from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from atom.config import Config
+from atom.distributed.dist_interface import use_node_interface
+from atom.distributed.node_layout import NodeLayoutError
+from atom.distributed.node_membership import NodeMembership
+from atom.distributed.node_relay import NodeGone, rank_channel
 from atom.distributed.parallel_state import (
     destroy_distributed,
     get_pp_group,
@@ -82,14 +93,16 @@ def rank_report(runner: ModelRunner) -> RankReport:
 def rank_device(config: Config, rank: int) -> torch.device:
     device = config.torch_device
     if device.type == "cuda":
-        return torch.device("cuda", rank % torch.cuda.device_count())
+        local = rank % config.node_layout.local_ranks
+        return torch.device("cuda", local % torch.cuda.device_count())
     return device
 
 
 def choose_backend(config: Config) -> str:
-    """NCCL when every rank has its own GPU; gloo on CPU or when ranks share a GPU."""
-    world = config.parallel_config.world_size
-    if config.torch_device.type == "cuda" and world <= torch.cuda.device_count():
+    """NCCL when every rank of a node has its own GPU; gloo on CPU or when ranks
+    share a GPU."""
+    local = config.node_layout.local_ranks
+    if config.torch_device.type == "cuda" and local <= torch.cuda.device_count():
         return "nccl"
     return "gloo"
 
@@ -119,69 +132,119 @@ def worker_main(
     master_port: int,
     backend: str,
     parent_pid: int,
-    tasks: mp.Queue,
-    results: mp.Queue,
+    tasks: mp.Queue | None,
+    results: mp.Queue | None,
+    lost: Connection | None = None,
 ) -> None:
+    """One rank. On a node other than 0 `tasks` and `results` are None: the rank
+    talks to node 0 through its channel (node_relay.py)."""
     die_with_parent(parent_pid)
     logging.basicConfig(level=os.environ.get("ATOM_LOG_LEVEL", "INFO"))
+    channel = None
     try:
         torch.set_num_threads(1)
         device = rank_device(config, rank)
         if device.type == "cuda":
             torch.cuda.set_device(device)
+        layout = config.node_layout
         init_distributed(
             config.tensor_parallel_size,
             config.pipeline_parallel_size,
             rank,
             backend,
             master_port,
+            layout,
         )
+        channel = rank_channel(layout, rank, tasks, results, lost)
         runner, info = start_runner(config, device)
         reports = get_pp_group().is_last_rank and get_tp_group().is_first_rank
         if rank == 0:
-            results.put(("ready", info))
-        while (task := tasks.get()) is not None:
+            channel.put(("ready", info))
+        while (task := channel.next_task()) is not None:
             if callable(task):
-                results.put(("call", rank, task(runner)))
+                channel.put(("call", rank, task(runner)))
                 continue
             output = runner.execute(task)
             if output is not None and reports:
-                results.put(("output", output))
+                channel.put(("output", output))
+    except NodeGone as gone:  # its node's supervisor says why the node ends
+        logger.error("rank %d stops: %s", rank, gone)
+        raise SystemExit(1) from None
     except BaseException:
-        results.put(("error", rank, traceback.format_exc()))
+        failure = ("error", rank, traceback.format_exc())
+        if channel is not None:
+            channel.put(failure)
+        elif results is not None:
+            results.put(failure)
+        else:  # no way to node 0 yet: the node's log, and the exit code, tell
+            logger.error("rank %d failed:\n%s", rank, failure[2])
+            raise SystemExit(1) from None
     finally:
+        if channel is not None:
+            channel.close()
         destroy_distributed()
 
 
+def start_ranks(
+    config: Config,
+    tasks: list[mp.Queue] | None,
+    results: mp.Queue | None,
+    lost: Connection | None = None,
+) -> list[mp.Process]:
+    """Start this node's rank processes (`tasks`: one queue each on node 0)."""
+    ctx = mp.get_context("spawn")
+    backend = choose_backend(config)
+    ranks = config.node_layout.my_ranks
+    # The loopback store's port on one machine (across nodes, node 0's is used).
+    master_port = free_port()
+    procs = [
+        ctx.Process(
+            target=worker_main,
+            args=(
+                config,
+                rank,
+                master_port,
+                backend,
+                os.getpid(),
+                None if tasks is None else tasks[i],
+                results,
+                lost if rank == 0 else None,
+            ),
+            name=f"atom-rank{rank}",
+            daemon=True,
+        )
+        for i, rank in enumerate(ranks)
+    ]
+    for proc in procs:
+        proc.start()
+    return procs
+
+
 class WorkerGroup:
-    """The engine's handle on its rank processes."""
+    """The engine's handle on its rank processes (across nodes: those of node 0,
+    the rendezvous with the other nodes, and the watch on them)."""
 
     def __init__(self, config: Config) -> None:
         ctx = mp.get_context("spawn")
-        self.parallel = parallel = config.parallel_config
-        master_port = free_port()
-        backend = choose_backend(config)
-        self.results: mp.Queue = ctx.Queue()
-        self.tasks = [ctx.Queue() for _ in range(parallel.world_size)]
-        self.procs = [
-            ctx.Process(
-                target=worker_main,
-                args=(
-                    config,
-                    rank,
-                    master_port,
-                    backend,
-                    os.getpid(),
-                    q,
-                    self.results,
-                ),
-                name=f"atom-rank{rank}",
-                daemon=True,
+        self.layout = layout = config.node_layout
+        self.nodes: NodeMembership | None = None
+        self._lost_lock = threading.Lock()
+        # Rank 0 names a lost node on this pipe; the parent keeps the writer open
+        # too, so the reader never sees EOF.
+        self._lost: Connection | None = None
+        self._lost_writer: Connection | None = None
+        if layout.node_rank != 0:
+            raise NodeLayoutError(
+                f"the engine runs on node 0; start node {layout.node_rank} with "
+                "`atom serve --headless` and the same flags"
             )
-            for rank, q in enumerate(self.tasks)
-        ]
-        for proc in self.procs:
-            proc.start()
+        if layout.is_multinode:
+            use_node_interface(layout)
+            self.nodes = NodeMembership(config, choose_backend(config))
+            self._lost, self._lost_writer = ctx.Pipe(duplex=False)
+        self.results: mp.Queue = ctx.Queue()
+        self.tasks = [ctx.Queue() for _ in layout.my_ranks]
+        self.procs = start_ranks(config, self.tasks, self.results, self._lost_writer)
         kind, info = self._receive(STARTUP_TIMEOUT_S)
         if kind != "ready":
             raise RuntimeError(f"unexpected start-up message {kind!r}")
@@ -205,13 +268,14 @@ class WorkerGroup:
         for q in self.tasks:
             q.put(fn)
         replies: dict[int, Any] = {}
-        while len(replies) < len(self.tasks):
+        world = self.layout.world_size
+        while len(replies) < world:
             kind, *body = self._receive(None)
             if kind != "call":
                 raise RuntimeError(f"unexpected message {kind!r} during call")
             rank, value = body
             replies[rank] = value
-        return [replies[rank] for rank in range(len(self.tasks))]
+        return [replies[rank] for rank in range(world)]
 
     def _receive(self, timeout: float | None) -> tuple:
         waited = 0.0
@@ -230,10 +294,10 @@ class WorkerGroup:
             if msg[0] == "error":
                 _, rank, tb = msg
                 failed = (
-                    f"rank {rank} ({self.parallel.describe_rank(rank)}) failed:\n{tb}"
+                    f"rank {rank} ({self.layout.describe_rank(rank)}) failed:\n{tb}"
                 )
                 # A killed rank breaks its peers' send/recv first: name the cause.
-                crashed = self._crashed_rank()
+                crashed = self._crashed_rank() or self._node_loss()
                 self.close()
                 if crashed is not None:
                     raise RuntimeError(f"{crashed}; then {failed}")
@@ -243,11 +307,22 @@ class WorkerGroup:
     def _exited_rank(self, crashed_only: bool = False) -> str | None:
         """The first rank that is gone, or None; `crashed_only` skips ranks that
         returned (code 0), as a rank does after reporting its own error."""
-        for rank, proc in enumerate(self.procs):
+        for rank, proc in zip(self.layout.my_ranks, self.procs):
             if proc.is_alive() or (crashed_only and proc.exitcode == 0):
                 continue
-            return f"rank {rank} ({self.parallel.describe_rank(rank)}) exited with code {proc.exitcode}"
+            where = self.layout.describe_rank(rank)
+            return f"rank {rank} ({where}) exited with code {proc.exitcode}"
         return None
+
+    def _node_loss(self) -> str | None:
+        """Why another node is gone (its ranks' sockets broke, it failed, its
+        heartbeat stopped), or None; safe from the engine and the monitor."""
+        if self.nodes is None:
+            return None
+        with self._lost_lock:
+            while self._lost.poll():
+                self.nodes.note_lost(self._lost.recv())
+        return self.nodes.lost()
 
     def _crashed_rank(self, grace_s: float = 0.5) -> str | None:
         # The peer's socket closes a moment before its process can be reaped.
@@ -259,24 +334,29 @@ class WorkerGroup:
         return crashed
 
     def _check_alive(self) -> None:
-        exited = self._exited_rank()
+        exited = self._exited_rank() or self._node_loss()
         if exited is not None:
             self.close()
             raise RuntimeError(f"{exited}; the engine cannot continue")
 
     def wait_for_rank_exit(self, timeout: float) -> str | None:
-        """Block up to `timeout` s until a rank process ends; say which and how.
+        """Block up to `timeout` s until a rank process ends or another node is
+        lost; say which and how.
 
         Safe from another thread than the engine's: it only watches the process
-        sentinels, so a rank that dies while the engine idles is seen at once.
+        sentinels and the other nodes, so a death while the engine idles is seen
+        at once.
         """
-        ended = connection.wait([proc.sentinel for proc in self.procs], timeout)
-        if not ended:
-            return None
-        for proc in self.procs:
-            if proc.sentinel in ended:
-                proc.join(timeout=1.0)  # reaped, so its exit code is known
-        return self._exited_rank() or "a rank process exited"
+        waitables = [proc.sentinel for proc in self.procs]
+        ended = connection.wait(
+            waitables + ([self._lost] if self._lost else []), timeout
+        )
+        exited = [proc for proc in self.procs if proc.sentinel in ended]
+        for proc in exited:
+            proc.join(timeout=1.0)  # reaped, so its exit code is known
+        if exited:
+            return self._exited_rank() or "a rank process exited"
+        return self._node_loss()
 
     def close(self) -> None:
         for q, proc in zip(self.tasks, self.procs):
@@ -287,6 +367,8 @@ class WorkerGroup:
             if proc.is_alive():
                 proc.terminate()
                 proc.join(timeout=5)
+        if self.nodes is not None:
+            self.nodes.close()
 
 
 class InProcessWorker:

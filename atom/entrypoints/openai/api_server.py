@@ -14,6 +14,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from atom.distributed.node_layout import NodeLayoutError
 from atom.entrypoints.openai.async_engine import AsyncEngine, EngineDeadError
 from atom.entrypoints.openai.metrics import (
     CONTENT_TYPE,
@@ -207,6 +208,12 @@ def add_server_args(parser: FlexibleArgumentParser) -> FlexibleArgumentParser:
         default=10.0,
         help="seconds between engine stats log lines; 0 turns them off",
     )
+    parser.add_argument(
+        "--headless",
+        action="store_true",
+        help="a node other than 0 (--node-rank >= 1): run this node's ranks only, "
+        "no engine and no HTTP server",
+    )
     parser.add_unsupported_argument("--request-log")
     return EngineArgs.add_cli_args(parser)
 
@@ -225,6 +232,12 @@ def _exit_cleanly(signum: int, frame: Any) -> None:
 def run_server(args: argparse.Namespace) -> None:
     """Serve until SIGTERM / Ctrl-C (exit 0) or until the engine dies (exit 1, so
     that a supervisor restarts the server)."""
+    # Imported here: a headless node needs the rank modules, parsing flags does not.
+    from atom.entrypoints.headless import run_headless, runs_headless
+
+    if runs_headless(args):
+        run_headless(args)
+        return
     # uvicorn shuts down gracefully on SIGTERM and then re-raises the signal; as
     # SystemExit it unwinds through the `finally` below, which closes the engine
     # (and its worker processes) instead of dying with them still running.
@@ -242,7 +255,10 @@ def run_server(args: argparse.Namespace) -> None:
             server.should_exit = True  # uvicorn polls it; safe from any thread
 
     async_engine = AsyncEngine(engine_args.create_engine, on_dead=stop_serving)
-    async_engine.start()
+    try:
+        async_engine.start()
+    except NodeLayoutError as error:  # a refusal, not a crash: one line
+        raise SystemExit(f"atom serve: {error}") from None
     try:
         app = build_app(
             async_engine,
