@@ -16,6 +16,12 @@ DTYPES = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
 }
+# Settings the environment may give when the caller leaves them unset; read here only,
+# so no layer consults the environment and the start-up log shows what was chosen.
+PARTITION_ENV_VARS = ("ATOM_PP_LAYER_PARTITION", "VLLM_PP_LAYER_PARTITION")
+KDA_BACKEND_ENV_VAR = "ATOM_KDA_BACKEND"
+# auto: fla's kernels on CUDA when importable, else torch (`model_ops/kda_backend.py`).
+KDA_BACKENDS = ("auto", "torch", "fla")
 
 
 # One fact, two spellings: transformers 5 writes `dtype` (and, for Kimi Linear,
@@ -232,8 +238,12 @@ class Config(EngineSettings):
 
     seed: int = 0
     hf_config: HFConfig = field(default_factory=HFConfig)
+    # Where KDA recurrences run; None: $ATOM_KDA_BACKEND, else auto.
+    kda_backend: str | None = None
     # Built from method, draft_model and num_speculative_tokens.
     speculative_config: SpeculativeConfig | None = field(default=None, init=False)
+    # Built once from the settings above; the scheduler and every runner share it.
+    limits: EngineLimits = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         from atom.models.tiny import resolve_model_path
@@ -248,8 +258,7 @@ class Config(EngineSettings):
             raise ValueError(
                 f"dtype must be auto or one of {', '.join(DTYPES)}, got {self.dtype!r}"
             )
-        if isinstance(self.pp_layer_partition, str):
-            self.pp_layer_partition = parse_partition(self.pp_layer_partition)
+        self._resolve_environment()
         self.model = resolve_model_path(self.model)
         if not self.hf_config:
             self.hf_config = load_hf_config(self.model)
@@ -267,15 +276,39 @@ class Config(EngineSettings):
         if self.max_model_len is None:
             self.max_model_len = int(text.first_of(CONTEXT_LENGTH_FIELDS) or 4096)
         # Building them validates the rank layout and every limit.
-        _ = self.parallel_config, self.limits
+        _ = self.parallel_config
+        self.limits = self._build_limits()
         self._validate_parallel(text)
+
+    def _resolve_environment(self) -> None:
+        """Fill the settings the caller left unset from the environment, and check
+        them; a value the caller gave wins over the environment."""
+        if self.pp_layer_partition is None:
+            text = next(
+                (os.environ[v] for v in PARTITION_ENV_VARS if os.environ.get(v)), None
+            )
+            self.pp_layer_partition = text
+        if isinstance(self.pp_layer_partition, str):
+            self.pp_layer_partition = parse_partition(self.pp_layer_partition)
+        if self.kda_backend is None:
+            self.kda_backend = os.environ.get(KDA_BACKEND_ENV_VAR) or "auto"
+        self.kda_backend = self.kda_backend.lower()
+        if self.kda_backend not in KDA_BACKENDS:
+            raise ValueError(
+                f"kda_backend ({KDA_BACKEND_ENV_VAR}) {self.kda_backend!r}; "
+                f"allowed: {', '.join(KDA_BACKENDS)}"
+            )
+
+    def describe_settings(self) -> str:
+        """The settings that the environment may give, as resolved (start-up log)."""
+        partition = self.pp_layer_partition or "even split"
+        return f"pp layer partition {partition}, KDA backend {self.kda_backend}"
 
     @property
     def parallel_config(self) -> ParallelConfig:
         return ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size)
 
-    @property
-    def limits(self) -> EngineLimits:
+    def _build_limits(self) -> EngineLimits:
         return EngineLimits(
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,

@@ -77,15 +77,35 @@ def test_k3_partitions():
     assert sizes(8) == [11, 11, 12, 12, 12, 12, 12, 11]
 
 
-def test_partition_override(monkeypatch):
-    monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", "5,3")
-    assert get_pp_indices(8, 0, 2) == (0, 5)
-    assert get_pp_indices(8, 1, 2, partition=[3, 5]) == (3, 8)  # config wins
-    monkeypatch.setenv("ATOM_PP_LAYER_PARTITION", "4,3")
+def test_partition_override(target):
+    assert get_pp_indices(8, 1, 2, partition=[3, 5]) == (3, 8)
     with pytest.raises(ValueError, match="sums to 7"):
-        get_pp_indices(8, 0, 2)
+        get_pp_indices(8, 0, 2, partition=[4, 3])
     with pytest.raises(ValueError, match="has 3 entries"):
         get_pp_indices(8, 0, 2, partition=[2, 3, 3])
+
+
+def test_partition_from_the_environment_is_resolved_in_config(target, monkeypatch):
+    for var in ("ATOM_PP_LAYER_PARTITION", "VLLM_PP_LAYER_PARTITION"):
+        monkeypatch.delenv(var, raising=False)
+    assert Config(model=target, pipeline_parallel_size=2).pp_layer_partition is None
+    monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", "5,3")
+    config = Config(model=target, pipeline_parallel_size=2)
+    assert config.pp_layer_partition == [5, 3]
+    assert "pp layer partition [5, 3]" in config.describe_settings()
+    monkeypatch.setenv("ATOM_PP_LAYER_PARTITION", "6,2")  # atom's name wins
+    assert Config(model=target, pipeline_parallel_size=2).pp_layer_partition == [6, 2]
+    given = Config(model=target, pipeline_parallel_size=2, pp_layer_partition=[3, 5])
+    assert given.pp_layer_partition == [3, 5]  # the caller's value wins
+    monkeypatch.setenv("ATOM_PP_LAYER_PARTITION", "4,3")
+    with pytest.raises(ValueError, match="sums to 7"):
+        Config(model=target, pipeline_parallel_size=2)
+
+
+def test_limits_are_built_once(target):
+    config = Config(model=target)
+    assert config.limits is config.limits
+    assert config.limits.max_num_seqs == config.max_num_seqs
 
 
 def test_make_layers_builds_only_owned_layers():

@@ -54,7 +54,9 @@ class ConvWeight(nn.Module):
 
 
 class KimiDeltaAttention(nn.Module):
-    def __init__(self, config: KimiTextConfig, prefix: str = "") -> None:
+    def __init__(
+        self, config: KimiTextConfig, prefix: str = "", backend: str = "auto"
+    ) -> None:
         super().__init__()
         tp = get_tp_group()
         self.tp_rank, self.tp_size = tp.rank_in_group, tp.world_size
@@ -90,6 +92,8 @@ class KimiDeltaAttention(nn.Module):
         self.dt_bias = fp32_channel_sharded(self.local_width)
         self.o_norm = RMSNorm(dim, eps=self.eps).float()
         self.o_proj = RowParallelLinear(width, hidden)
+        # `Config.kda_backend`; resolved on the first forward, which knows the device.
+        self.backend_choice = backend
         self._backend: KDABackend | None = None
         # Bound by the CacheEngine.
         self.conv_state: torch.Tensor | None = None
@@ -135,7 +139,7 @@ class KimiDeltaAttention(nn.Module):
         metadata = require_metadata(f"KDA layer {self.prefix!r}")
         self._require_cache()
         if self._backend is None:
-            self._backend = select_kda_backend(x.device)
+            self._backend = select_kda_backend(x.device, self.backend_choice)
         tokens = x.shape[0]
         mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         low_rank = self.f_b_proj(self.f_a_proj(x))
