@@ -9,8 +9,12 @@ from typing import Any
 
 import torch
 
-KV_ROLES = ("none", "kv_producer", "kv_consumer")
-SPECULATIVE_METHODS = ("dspark", "eagle3", "mtp")
+# A decode node of P/D (kv_consumer) needs KV transfer, which atom has not; it is
+# refused by name until then rather than accepted and run as a plain engine.
+KV_ROLES = ("none", "kv_producer")
+NOT_YET_KV_ROLES = ("kv_consumer",)
+# Only methods with a drafter (`spec_decode/factory.py`) are offered.
+SPECULATIVE_METHODS = ("dspark",)
 DTYPES = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
@@ -178,24 +182,10 @@ class SpeculativeConfig:
                 "num_speculative_tokens must be >= 1, "
                 f"got {self.num_speculative_tokens}"
             )
-        if self.method in ("dspark", "eagle3") and not self.model:
+        if not self.model:
             raise ValueError(
                 f"method {self.method!r} needs a draft model (draft_model)"
             )
-        if self.method == "mtp" and self.model:
-            raise ValueError(
-                "method 'mtp' takes its draft from the target; drop draft_model"
-            )
-
-    def use_dspark(self) -> bool:
-        if self.method == "dspark":
-            return True
-        cfg = self.draft_hf_config or {}
-        return bool(cfg.get("dspark_block_size") or cfg.get("dspark_with_draft"))
-
-    @property
-    def canonical_method(self) -> str:
-        return "dspark" if self.use_dspark() else self.method
 
 
 @dataclass
@@ -248,6 +238,11 @@ class Config(EngineSettings):
     def __post_init__(self) -> None:
         from atom.models.tiny import resolve_model_path
 
+        if self.kv_role in NOT_YET_KV_ROLES:
+            raise ValueError(
+                f"kv_role {self.kv_role!r} is not served yet: atom transfers no KV "
+                f"between prefill and decode nodes; allowed: {', '.join(KV_ROLES)}"
+            )
         if self.kv_role not in KV_ROLES:
             raise ValueError(
                 f"unknown kv_role {self.kv_role!r}; allowed: {', '.join(KV_ROLES)}"
