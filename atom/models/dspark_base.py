@@ -22,29 +22,7 @@ from atom.model_ops.activation import SiluAndMul
 from atom.model_ops.gated_mlp import GatedMLP
 from atom.model_ops.layernorm import RMSNorm
 from atom.model_ops.linear import ReplicatedLinear
-from atom.models.utils import PPMissingLayer
 from atom.utils.forward_context import ForwardContext, set_forward_context
-
-
-def target_vocab_size(target_base: nn.Module) -> int:
-    """The target's vocabulary, read without touching its embedding module.
-
-    `target_base` is the language model (`.model`, `.lm_head`). `model.vocab_size` is
-    set on every stage; the LM head is the fallback. `embed_tokens.num_embeddings` is
-    never read: on a stage whose embedding is a PPMissingLayer that raises
-    AttributeError and hides the placement error the caller is about to report.
-    """
-    vocab = getattr(getattr(target_base, "model", None), "vocab_size", None)
-    if vocab is None:
-        lm_head = getattr(target_base, "lm_head", None)
-        if lm_head is not None and not isinstance(lm_head, PPMissingLayer):
-            vocab = getattr(lm_head, "num_embeddings", None)
-    if vocab is None:
-        raise ValueError(
-            f"cannot read the target vocabulary from {type(target_base).__name__}: "
-            "it has neither model.vocab_size nor a real lm_head"
-        )
-    return int(vocab)
 
 
 class SharedEmbeddingDraft(nn.Module):
@@ -70,7 +48,10 @@ class SharedEmbeddingDraft(nn.Module):
 
     def validate_target_vocab(self, target_base: nn.Module) -> int:
         """Raise ValueError unless the target's vocabulary equals the draft's."""
-        vocab = target_vocab_size(target_base)
+        # `model.vocab_size` is set on every stage (`PipelineTextStack.build_stage`);
+        # `embed_tokens.num_embeddings` is not read: on a stage whose embedding is a
+        # PPMissingLayer it raises and hides the placement error reported next.
+        vocab = target_base.model.vocab_size
         if vocab != self.vocab_size:
             raise ValueError(
                 f"draft vocab_size {self.vocab_size} differs from the target's "
