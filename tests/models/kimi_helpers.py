@@ -26,6 +26,9 @@ EMBEDDING_PLACEMENTS = [
     (1, 2, "dspark", "kv_producer", False),  # a producer proposes nothing
     (1, 3, "dspark", "none", False),  # middle stage
     (0, 2, None, "none", True),  # first stage
+    (0, 2, "dspark", "none", True),  # the first stage embeds for the target
+    (0, 2, "dspark", "kv_producer", True),  # ... on a producer too
+    (0, 3, "dspark", "kv_producer", True),
 ]
 
 
