@@ -3,6 +3,8 @@ run rows, transformers oracles, PP embedding placements."""
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import nn
 
@@ -90,6 +92,13 @@ def logits_of(model: nn.Module, works: list[SeqWork]) -> torch.Tensor:
     return model.compute_logits(forward_rows(model, works))
 
 
+def cache_name(reference: nn.Module) -> str:
+    """The name of a transformers model's cache, as argument and output field: 5.25
+    renamed `past_key_values` to `cache`; the project allows versions on either side."""
+    parameters = inspect.signature(reference.forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
+
+
 @torch.no_grad()
 def assert_greedy_decode_matches(
     reference: nn.Module,
@@ -102,8 +111,9 @@ def assert_greedy_decode_matches(
     transformers `reference` through its own cache and atom's `model` through freshly
     bound caches: logits agree within `tol` at every step, and so do the tokens."""
     bind_caches(model)
+    name = cache_name(reference)
     out = reference(torch.tensor([prompt]), use_cache=True)
-    cache, ref_logits = out.cache, out.logits[0, -1]
+    cache, ref_logits = out[name], out.logits[0, -1]
     atom_logits = logits_of(model, [work(prompt)])[-1]
     ref_tokens, atom_tokens = [], []
     for step in range(new_tokens):
@@ -113,8 +123,8 @@ def assert_greedy_decode_matches(
         if atom_tokens != ref_tokens:
             break
         token = ref_tokens[-1]
-        out = reference(torch.tensor([[token]]), cache=cache, use_cache=True)
-        cache, ref_logits = out.cache, out.logits[0, -1]
+        out = reference(torch.tensor([[token]]), use_cache=True, **{name: cache})
+        cache, ref_logits = out[name], out.logits[0, -1]
         atom_logits = logits_of(model, [work([token], len(prompt) + step)])[0]
     assert atom_tokens == ref_tokens
     assert len(atom_tokens) == new_tokens
