@@ -35,14 +35,14 @@ class CacheEngine:
         num_blocks: int,
         block_size: int,
         num_state_slots: int,
-        num_spec_rows: int,
+        num_verify_rows: int,
         device: torch.device | str,
         dtype: torch.dtype,
     ) -> None:
         for name, value in (
             ("num_blocks", num_blocks),
             ("num_state_slots", num_state_slots),
-            ("num_spec_rows", num_spec_rows),
+            ("num_verify_rows", num_verify_rows),
         ):
             if value < 0:
                 raise ValueError(f"{name} must be >= 0, got {value}")
@@ -51,7 +51,7 @@ class CacheEngine:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.num_state_slots = num_state_slots
-        self.num_spec_rows = num_spec_rows
+        self.num_verify_rows = num_verify_rows
         self.dtype = dtype
         self.device = torch.device(device)
         self.kv_layers = kv_layers(modules)
@@ -73,12 +73,12 @@ class CacheEngine:
             )
             # Rebinding replaces everything, so no buffer of an older engine lingers.
             layer.conv_snapshots = layer.ssm_snapshots = None
-            if num_spec_rows:
+            if num_verify_rows:
                 layer.conv_snapshots = torch.zeros(
-                    slots, num_spec_rows, *conv, dtype=dtype, device=device
+                    slots, num_verify_rows, *conv, dtype=dtype, device=device
                 )
                 layer.ssm_snapshots = torch.zeros(
-                    slots, num_spec_rows, *ssm, dtype=torch.float32, device=device
+                    slots, num_verify_rows, *ssm, dtype=torch.float32, device=device
                 )
 
     def _check_slots(self, slots: list[int], what: str) -> None:
@@ -115,10 +115,10 @@ class CacheEngine:
         if not slots:
             return
         self._check_slots(slots, "commit")
-        bad = [n for n in num_rows if not 1 <= n <= self.num_spec_rows]
+        bad = [n for n in num_rows if not 1 <= n <= self.num_verify_rows]
         if bad:
             raise ValueError(
-                f"commit of {bad} rows outside [1, {self.num_spec_rows}] "
+                f"commit of {bad} rows outside [1, {self.num_verify_rows}] "
                 "(the snapshot rows bound)"
             )
         slot_index = self._slot_tensor(slots)
@@ -139,7 +139,7 @@ class CacheEngine:
 
     def state_bytes_per_slot(self) -> int:
         model_bytes = torch.empty(0, dtype=self.dtype).element_size()
-        rows = 1 + self.num_spec_rows
+        rows = 1 + self.num_verify_rows
         total = 0
         for layer in self.state_layers:
             conv, ssm = layer.state_shapes()

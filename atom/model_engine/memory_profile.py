@@ -56,7 +56,7 @@ def _dummy(length: int, context_len: int, width: int, runner: ModelRunner) -> Se
         block_table=[0] * width,
         state_slot=cache.scratch_state_slot,
         sample=False,
-        num_spec_tokens=0,
+        num_drafts=0,
     )
 
 
@@ -96,7 +96,7 @@ def profile_decode(runner: ModelRunner) -> None:
         for _ in range(limits.max_num_seqs)
     ]
     for work in works:
-        work.num_spec_tokens = rows - 1
+        work.num_drafts = rows - 1
     _forward(runner, works)
 
 

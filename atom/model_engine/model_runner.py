@@ -134,27 +134,27 @@ class ModelRunner:
 
     def allocate_caches(self, num_blocks: int) -> None:
         self.cache = self._cache_engine(num_blocks, self.limits.num_state_slots)
-        if self.cache.num_spec_rows and self.cache.state_layers:
+        if self.cache.num_verify_rows and self.cache.state_layers:
             logger.info(
                 "%s %s: %s of %d KDA layers, %d rows per state slot",
                 KDA_ROLLBACK_MARKER,
                 self.rank_label(),
                 KDA_ROLLBACK_MODE,
                 len(self.cache.state_layers),
-                self.cache.num_spec_rows,
+                self.cache.num_verify_rows,
             )
         if self.use_graphs:
             self.graphs = self._capture_graphs()
 
     def _cache_engine(self, num_blocks: int, num_state_slots: int) -> CacheEngine:
         # A verify keeps the state after each of its T + 1 rows.
-        num_spec = self.limits.num_speculative_tokens
+        num_speculative_tokens = self.limits.num_speculative_tokens
         return CacheEngine(
             self.cache_modules(),
             num_blocks,
             self.limits.block_size,
             num_state_slots,
-            num_spec + 1 if num_spec else 0,
+            num_speculative_tokens + 1 if num_speculative_tokens else 0,
             self.device,
             self.dtype,
         )
@@ -181,7 +181,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _capture_graphs(self) -> DecodeGraphs:
-        num_spec = self.limits.num_speculative_tokens
+        num_speculative_tokens = self.limits.num_speculative_tokens
         sizes = capture_sizes(
             self.config.cudagraph_capture_sizes, self.limits.max_num_seqs
         )
@@ -191,7 +191,7 @@ class ModelRunner:
         return DecodeGraphs(
             self.model,
             sizes,
-            [1, num_spec + 1] if num_spec else [1],
+            [1, num_speculative_tokens + 1] if num_speculative_tokens else [1],
             self.limits.block_size,
             table_width,
             (self.cache.scratch_kv_slot, self.cache.scratch_state_slot),

@@ -24,7 +24,7 @@ def work(seq_id, token_ids, context_len, sample=True, drafts=0, temperature=0.8)
         block_table=list(range(seq_id, seq_id + 1 + context_len // 16)),
         state_slot=seq_id,
         sample=sample,
-        num_spec_tokens=drafts,
+        num_drafts=drafts,
         temperature=temperature,
         top_k=-1,
         top_p=1.0,

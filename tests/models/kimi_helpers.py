@@ -60,7 +60,7 @@ def work(
     token_ids: list[int],
     context_len: int = 0,
     slot: int = 0,
-    num_spec_tokens: int = 0,
+    num_drafts: int = 0,
     first_block: int = 0,
     num_blocks: int = 16,
 ) -> SeqWork:
@@ -71,7 +71,7 @@ def work(
         context_len=context_len,
         block_table=list(range(first_block, first_block + num_blocks)),
         state_slot=slot,
-        num_spec_tokens=num_spec_tokens,
+        num_drafts=num_drafts,
     )
 
 

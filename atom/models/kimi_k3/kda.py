@@ -213,7 +213,7 @@ class KimiDeltaAttention(nn.Module):
         if self.ssm_snapshots is None or self.conv_snapshots is None:
             raise RuntimeError(
                 f"KDA layer {self.prefix!r} verifies drafts but no snapshot "
-                "buffers are bound (CacheEngine num_spec_rows=0)"
+                "buffers are bound (CacheEngine num_verify_rows=0)"
             )
         if rows > self.ssm_snapshots.shape[1]:
             raise RuntimeError(
