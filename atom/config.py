@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from atom.utils.arithmetic import ceil_div
+
 # A decode node of P/D (kv_consumer) needs KV transfer, which atom has not; it is
 # refused by name until then rather than accepted and run as a plain engine.
 KV_ROLES = ("none", "kv_producer")
@@ -146,7 +148,7 @@ class EngineLimits:
         """KV blocks one sequence may hold: the drafter's block rows sit after the
         last verify row, so positions reach max_model_len - 2 + T."""
         longest = self.max_model_len - 1 + self.num_speculative_tokens
-        return -(-longest // self.block_size)
+        return ceil_div(longest, self.block_size)
 
     @property
     def num_state_slots(self) -> int:

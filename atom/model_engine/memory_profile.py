@@ -23,6 +23,7 @@ import torch
 
 from atom.model_engine.batch import SeqWork
 from atom.model_engine.model_inputs import prepare_inputs
+from atom.utils.arithmetic import ceil_div
 from atom.utils.forward_context import ForwardContext, set_forward_context
 
 if TYPE_CHECKING:
@@ -83,7 +84,7 @@ def profile_prefill(runner: ModelRunner) -> None:
     remaining, works = limits.max_num_batched_tokens, []
     while remaining > 0:
         length = min(remaining, limits.max_model_len)
-        works.append(_dummy(length, 0, -(-length // limits.block_size), runner))
+        works.append(_dummy(length, 0, ceil_div(length, limits.block_size), runner))
         remaining -= length
     _forward(runner, works)
 
