@@ -22,6 +22,7 @@ from atom.model_ops.activation import SiluAndMul
 from atom.model_ops.gated_mlp import GatedMLP
 from atom.model_ops.layernorm import RMSNorm
 from atom.model_ops.linear import ReplicatedLinear
+from atom.model_ops.paged_mla import gather_kv
 from atom.utils.forward_context import ForwardContext, set_forward_context
 
 
@@ -116,6 +117,35 @@ class DraftAttention(nn.Module):
                 "CacheEngine before writing or reading context rows"
             )
         return self.kv_cache
+
+    def block_keys(
+        self,
+        block_rows: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        window: tuple[int, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """What a block pass attends to: (keys [B, C + T, kv_cache_dim], visible
+        [B, T, C + T] bool).
+
+        Keys are each sequence's cached context rows (gathered through
+        `block_tables`) then its T `block_rows` [B, T, kv_cache_dim], which the
+        caller rounds through the cache dtype as a write and read-back would. Row t
+        of sequence b sees context rows 0..context_lens[b]-1 and every block row (no
+        causal mask inside the block); `window` (size, positions [B*T]) limits the
+        context to the last `size` positions up to each row's own.
+        """
+        num_seqs, width = block_rows.shape[:2]
+        context = gather_kv(self.cache(), block_tables)
+        keys = torch.cat([context, block_rows], dim=1)
+        context_index = torch.arange(context.shape[1], device=keys.device)
+        seen = context_index < context_lens.view(-1, 1, 1)
+        if window is not None:
+            size, positions = window
+            first = positions.view(num_seqs, width, 1) - (size - 1)
+            seen = seen & (context_index >= first)
+        block = seen.new_ones(num_seqs, width, width)
+        return keys, torch.cat([seen.expand(-1, width, -1), block], dim=-1)
 
 
 class DSparkLayer(nn.Module):
