@@ -23,6 +23,7 @@ from atom.model_ops.gated_mlp import GatedMLP
 from atom.model_ops.layernorm import RMSNorm
 from atom.model_ops.linear import ReplicatedLinear
 from atom.model_ops.paged_mla import gather_kv
+from atom.model_ops.visibility import block_pass_visibility
 from atom.utils.forward_context import ForwardContext, set_forward_context
 
 
@@ -130,22 +131,14 @@ class DraftAttention(nn.Module):
 
         Keys are each sequence's cached context rows (gathered through
         `block_tables`) then its T `block_rows` [B, T, kv_cache_dim], which the
-        caller rounds through the cache dtype as a write and read-back would. Row t
-        of sequence b sees context rows 0..context_lens[b]-1 and every block row (no
-        causal mask inside the block); `window` (size, positions [B*T]) limits the
-        context to the last `size` positions up to each row's own.
+        caller rounds through the cache dtype as a write and read-back would;
+        `visible` is `block_pass_visibility` (`window`: size, positions).
         """
-        num_seqs, width = block_rows.shape[:2]
         context = gather_kv(self.cache(), block_tables)
-        keys = torch.cat([context, block_rows], dim=1)
-        context_index = torch.arange(context.shape[1], device=keys.device)
-        seen = context_index < context_lens.view(-1, 1, 1)
-        if window is not None:
-            size, positions = window
-            first = positions.view(num_seqs, width, 1) - (size - 1)
-            seen = seen & (context_index >= first)
-        block = seen.new_ones(num_seqs, width, width)
-        return keys, torch.cat([seen.expand(-1, width, -1), block], dim=-1)
+        visible = block_pass_visibility(
+            context_lens, context.shape[1], block_rows.shape[1], window
+        )
+        return torch.cat([context, block_rows], dim=1), visible
 
 
 class DSparkLayer(nn.Module):
