@@ -16,7 +16,7 @@ from atom import LLMEngine, SamplingParams
 from atom.config import Config
 from atom.model_engine.model_runner import ModelRunner
 from tests.models.kimi_helpers import work
-from tests.spec.spec_helpers import runner_of
+from tests.spec_decode.spec_helpers import runner_of
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

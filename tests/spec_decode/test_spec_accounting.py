@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from atom import SamplingParams
 from atom.models.tiny import resolve_model_path
-from tests.spec.spec_helpers import (
+from tests.spec_decode.spec_helpers import (
     PAIRS,
     force_drafts,
     random_tokens,

@@ -11,7 +11,7 @@ from atom.model_ops.rejection_sampler import verify_drafts
 from atom.model_ops.sampler import sample_tokens
 from atom.model_ops.sampling_metadata import SamplingMetadata
 from atom.spec_decode.draft_output import DraftOutput
-from tests.spec.spec_helpers import ENGINE_SETTINGS, spec_engine
+from tests.spec_decode.spec_helpers import ENGINE_SETTINGS, spec_engine
 
 VOCAB = 40
 

@@ -16,7 +16,7 @@ import random
 import pytest
 
 from atom import SamplingParams
-from tests.spec.spec_helpers import (
+from tests.spec_decode.spec_helpers import (
     BLOCK_SIZE,
     EOS,
     PAIRS,

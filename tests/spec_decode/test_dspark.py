@@ -28,7 +28,7 @@ from atom.spec_decode.dspark_drafter import DSparkDrafter, check_shared_embeddin
 from atom.spec_decode.factory import DRAFTERS, build_drafter
 from atom.utils.forward_context import ForwardContext, set_forward_context
 from tests.models.kimi_helpers import target_of
-from tests.spec.spec_helpers import loaded_drafter, propose_on_host
+from tests.spec_decode.spec_helpers import loaded_drafter, propose_on_host
 from tests.toy_target import ToyCausalLM
 
 TARGET, K3_DRAFT, K31_DRAFT = (

@@ -5,7 +5,7 @@ import pytest
 from atom.model_engine.batch import BatchOutput, TokenChoice
 from atom.model_engine.scheduler import Scheduler
 from atom.model_engine.sequence import SequenceStatus
-from tests.engine.scheduler_helpers import (
+from tests.model_engine.scheduler_helpers import (
     EOS,
     answer,
     make_scheduler,

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from atom import SamplingParams
-from tests.spec.spec_helpers import (
+from tests.spec_decode.spec_helpers import (
     PAIRS,
     force_drafts,
     random_tokens,
