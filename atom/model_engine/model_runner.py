@@ -26,6 +26,7 @@ from atom.model_engine.model_inputs import prepare_inputs
 from atom.model_engine.step_sampler import StepSampler
 from atom.model_loader.build import building_on, load_target
 from atom.model_ops.sampling_metadata import SamplingMetadata
+from atom.models.interfaces import RecurrentStateLayer, is_graph_capturable
 from atom.models.registry import check_pp_support, draft_tap_ids
 from atom.models.utils import IntermediateTensors, language_model_of
 from atom.spec_decode.drafter import Drafter
@@ -100,7 +101,7 @@ class ModelRunner:
 
     @property
     def has_recurrent_state(self) -> bool:
-        return any(hasattr(m, "state_shapes") for m in self.model.modules())
+        return any(isinstance(m, RecurrentStateLayer) for m in self.model.modules())
 
     def cache_modules(self) -> list[torch.nn.Module]:
         return [self.model] + ([self.drafter.model] if self.drafter else [])
@@ -170,7 +171,7 @@ class ModelRunner:
             {
                 type(m).__name__
                 for m in self.model.modules()
-                if not getattr(m, "graph_capturable", True)
+                if not is_graph_capturable(m)
             }
         )
         if uncapturable:

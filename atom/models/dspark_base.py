@@ -99,9 +99,8 @@ class MarkovHead(nn.Module):
 class DraftAttention(nn.Module):
     """Base of a draft's attention: its KV rows live in the target's paged pool.
 
-    The CacheEngine binds `kv_cache` [num_blocks, block_size, kv_cache_dim]; a
-    subclass sets `kv_cache_dim` (the width of its cache rows) and reaches the
-    cache through `cache()`.
+    A `PagedKVLayer` (models/interfaces.py): a subclass sets `kv_cache_dim` (the
+    width of its cache rows) and reaches the bound cache through `cache()`.
     """
 
     kv_cache_dim: int
@@ -109,7 +108,11 @@ class DraftAttention(nn.Module):
     def __init__(self, prefix: str) -> None:
         super().__init__()
         self.prefix = prefix
+        self.kv_cache_dtype: torch.dtype | None = None
         self.kv_cache: torch.Tensor | None = None
+
+    def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
+        self.kv_cache = kv_cache
 
     def cache(self) -> torch.Tensor:
         if self.kv_cache is None:

@@ -27,6 +27,7 @@ from atom.model_ops.linear import (
     check_shape,
     shard_of,
 )
+from atom.models.interfaces import StateTensor
 from atom.models.kimi_k3.config import KimiTextConfig
 from atom.utils.forward_context import require_metadata
 
@@ -95,17 +96,31 @@ class KimiDeltaAttention(nn.Module):
         # `Config.kda_backend`; resolved on the first forward, which knows the device.
         self.backend_choice = backend
         self._backend: KDABackend | None = None
-        # Bound by the CacheEngine.
+        # A `RecurrentStateLayer` (models/interfaces.py); see `bind_states`.
         self.conv_state: torch.Tensor | None = None
         self.ssm_state: torch.Tensor | None = None
         self.conv_snapshots: torch.Tensor | None = None
         self.ssm_snapshots: torch.Tensor | None = None
 
-    def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """Per-slot (conv [3P/tp, K-1] model dtype, recurrent [h/tp, Dv, Dk] fp32)."""
-        conv = (3 * self.local_width, self.kernel_size - 1)
-        ssm = (self.heads, self.head_dim, self.head_dim)
-        return conv, ssm
+    def state_spec(self) -> tuple[StateTensor, ...]:
+        """Per slot: the conv inputs [3P/tp, K-1] in the model dtype and the
+        recurrent state [h/tp, Dv, Dk] in fp32 (the recurrence accumulates there)."""
+        return (
+            StateTensor("conv", (3 * self.local_width, self.kernel_size - 1)),
+            StateTensor(
+                "ssm", (self.heads, self.head_dim, self.head_dim), torch.float32
+            ),
+        )
+
+    def bind_states(
+        self,
+        states: dict[str, torch.Tensor],
+        snapshots: dict[str, torch.Tensor] | None,
+    ) -> None:
+        self.conv_state, self.ssm_state = states["conv"], states["ssm"]
+        # Rebinding replaces everything, so no buffer of an older engine lingers.
+        self.conv_snapshots = snapshots["conv"] if snapshots else None
+        self.ssm_snapshots = snapshots["ssm"] if snapshots else None
 
     def _load_a_log(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         # Checkpoints store [n] or legacy [1, 1, n, 1], with n >= heads (K3: 128 for

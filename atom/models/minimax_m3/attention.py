@@ -77,11 +77,15 @@ class MiniMaxM3Attention(nn.Module):
         self.rotary = PartialRotary(config.rotary_dim, config.rope_theta)
         # Rows follow q's heads, which the config guarantees split evenly over TP.
         self.o_proj = RowParallelLinear(heads * head_dim, hidden)
-        # The CacheEngine binds `kv_cache` [num_blocks, block_size, kv_cache_dim].
+        # A `PagedKVLayer` (models/interfaces.py): rows [k | v | index key].
         self.kv_width = self.num_kv_heads * head_dim
         index_width = self.indexer.head_dim if self.indexer is not None else 0
         self.kv_cache_dim = 2 * self.kv_width + index_width
+        self.kv_cache_dtype: torch.dtype | None = None
         self.kv_cache: torch.Tensor | None = None
+
+    def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
+        self.kv_cache = kv_cache
 
     def _cache_rows(
         self, positions: torch.Tensor, x: torch.Tensor
