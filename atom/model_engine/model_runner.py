@@ -26,11 +26,14 @@ from atom.model_engine.model_inputs import prepare_inputs
 from atom.model_engine.step_sampler import StepSampler
 from atom.model_loader.build import building_on, load_target
 from atom.model_ops.sampling_metadata import SamplingMetadata
-from atom.models.interfaces import RecurrentStateLayer, is_graph_capturable
+from atom.models.interfaces import (
+    STATE_ROLLBACK_MODE,
+    RecurrentStateLayer,
+    is_graph_capturable,
+)
 from atom.models.registry import check_pp_support, draft_tap_ids
 from atom.models.utils import IntermediateTensors, language_model_of
 from atom.spec_decode.drafter import Drafter
-from atom.spec_decode.dspark_drafter import KDA_ROLLBACK_MODE
 from atom.spec_decode.factory import build_drafter
 from atom.spec_decode.pp_aux_relay import AUX_KEY, PPAuxRelay
 from atom.utils.forward_context import ForwardContext, set_forward_context
@@ -140,7 +143,7 @@ class ModelRunner:
                 "%s %s: %s of %d KDA layers, %d rows per state slot",
                 KDA_ROLLBACK_MARKER,
                 self.rank_label(),
-                KDA_ROLLBACK_MODE,
+                STATE_ROLLBACK_MODE,
                 len(self.cache.state_layers),
                 self.cache.num_verify_rows,
             )

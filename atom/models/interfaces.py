@@ -31,6 +31,11 @@ if TYPE_CHECKING:
     from atom.models.utils import IntermediateTensors
 
 
+# How a verify's recurrent state is rolled back, named in the start-up logs of the
+# runner and the drafter (the CI log reader matches it).
+STATE_ROLLBACK_MODE = "per-row snapshots"
+
+
 @dataclass(frozen=True)
 class StateTensor:
     """One tensor a recurrent layer keeps per request slot."""
