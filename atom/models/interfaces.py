@@ -14,15 +14,16 @@ declares, and hands it its views through one binding call:
 
 The extra block and slot are scratch for the padding rows of captured graphs.
 
-A module whose forward syncs with the host (so a CUDA graph cannot capture it)
-declares `graph_capturable` False (`GraphCaptureAware`); modules that declare
-nothing are capturable. A target model is a `PipelineModel`.
+A decoder layer a DSpark draft may tap is a `TapLayer`. A module whose forward syncs
+with the host (so a CUDA graph cannot capture it) declares `graph_capturable` False
+(`GraphCaptureAware`); modules that declare nothing are capturable. A target model
+is a `PipelineModel`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -63,6 +64,16 @@ class RecurrentStateLayer(Protocol):
         states: dict[str, torch.Tensor],
         snapshots: dict[str, torch.Tensor] | None,
     ) -> None: ...
+
+
+@runtime_checkable
+class TapLayer(Protocol):
+    """A decoder layer a DSpark draft may tap (`spec_decode/aux_capture.py`)."""
+
+    def aux_hidden_state(self, output: Any) -> torch.Tensor:
+        """The tapped rows [N, H] (the post-layer residual stream) of the layer's
+        forward output."""
+        ...
 
 
 @runtime_checkable

@@ -11,12 +11,14 @@ from atom.models.interfaces import (
     PipelineModel,
     RecurrentStateLayer,
     StateTensor,
+    TapLayer,
     is_graph_capturable,
 )
 from atom.models.kimi_k3.kda import KimiDeltaAttention
 from atom.models.kimi_k3.mla import KimiMLAttention
 from atom.models.minimax_m3.attention import MiniMaxM3Attention
 from atom.models.registry import get_model_class
+from atom.models.utils import language_model_of
 
 
 @pytest.mark.parametrize(
@@ -35,6 +37,7 @@ def test_targets_and_their_layers_declare_the_contract(name, paged, recurrent):
     assert found and set(found) == {paged}
     states = [type(m) for m in modules if isinstance(m, RecurrentStateLayer)]
     assert set(states) == ({recurrent} if recurrent else set())
+    assert all(isinstance(m, TapLayer) for m in language_model_of(model).model.layers)
 
 
 class ToyState(nn.Module):
