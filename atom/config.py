@@ -10,14 +10,25 @@ from typing import Any
 import torch
 
 from atom.distributed.node_layout import NodeLayout, torchrun_settings
+from atom.utils.arithmetic import ceil_div
 
-KV_ROLES = ("none", "kv_producer", "kv_consumer")
-SPECULATIVE_METHODS = ("dspark", "eagle3", "mtp")
+# A decode node of P/D (kv_consumer) needs KV transfer, which atom has not; it is
+# refused by name until then rather than accepted and run as a plain engine.
+KV_ROLES = ("none", "kv_producer")
+NOT_YET_KV_ROLES = ("kv_consumer",)
+# Only methods with a drafter (`spec_decode/factory.py`) are offered.
+SPECULATIVE_METHODS = ("dspark",)
 DTYPES = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
 }
+# Settings the environment may give when the caller leaves them unset; read here only,
+# so no layer consults the environment and the start-up log shows what was chosen.
+PARTITION_ENV_VARS = ("ATOM_PP_LAYER_PARTITION", "VLLM_PP_LAYER_PARTITION")
+KDA_BACKEND_ENV_VAR = "ATOM_KDA_BACKEND"
+# auto: fla's kernels on CUDA when importable, else torch (`model_ops/kda_backend.py`).
+KDA_BACKENDS = ("auto", "torch", "fla")
 
 
 # One fact, two spellings: transformers 5 writes `dtype` (and, for Kimi Linear,
@@ -134,7 +145,7 @@ class EngineLimits:
         """KV blocks one sequence may hold: the drafter's block rows sit after the
         last verify row, so positions reach max_model_len - 2 + T."""
         longest = self.max_model_len - 1 + self.num_speculative_tokens
-        return -(-longest // self.block_size)
+        return ceil_div(longest, self.block_size)
 
     @property
     def num_state_slots(self) -> int:
@@ -170,24 +181,10 @@ class SpeculativeConfig:
                 "num_speculative_tokens must be >= 1, "
                 f"got {self.num_speculative_tokens}"
             )
-        if self.method in ("dspark", "eagle3") and not self.model:
+        if not self.model:
             raise ValueError(
                 f"method {self.method!r} needs a draft model (draft_model)"
             )
-        if self.method == "mtp" and self.model:
-            raise ValueError(
-                "method 'mtp' takes its draft from the target; drop draft_model"
-            )
-
-    def use_dspark(self) -> bool:
-        if self.method == "dspark":
-            return True
-        cfg = self.draft_hf_config or {}
-        return bool(cfg.get("dspark_block_size") or cfg.get("dspark_with_draft"))
-
-    @property
-    def canonical_method(self) -> str:
-        return "dspark" if self.use_dspark() else self.method
 
 
 @dataclass
@@ -238,14 +235,23 @@ class Config(EngineSettings):
 
     seed: int = 0
     hf_config: HFConfig = field(default_factory=HFConfig)
+    # Where KDA recurrences run; None: $ATOM_KDA_BACKEND, else auto.
+    kda_backend: str | None = None
     # Built from method, draft_model and num_speculative_tokens.
     speculative_config: SpeculativeConfig | None = field(default=None, init=False)
     # Set under torchrun, whose agent serves the rendezvous store itself.
     store_hosted_elsewhere: bool = field(default=False, init=False)
+    # Built once from the settings above; the scheduler and every runner share it.
+    limits: EngineLimits = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         from atom.models.tiny import resolve_model_path
 
+        if self.kv_role in NOT_YET_KV_ROLES:
+            raise ValueError(
+                f"kv_role {self.kv_role!r} is not served yet: atom transfers no KV "
+                f"between prefill and decode nodes; allowed: {', '.join(KV_ROLES)}"
+            )
         if self.kv_role not in KV_ROLES:
             raise ValueError(
                 f"unknown kv_role {self.kv_role!r}; allowed: {', '.join(KV_ROLES)}"
@@ -256,8 +262,7 @@ class Config(EngineSettings):
             raise ValueError(
                 f"dtype must be auto or one of {', '.join(DTYPES)}, got {self.dtype!r}"
             )
-        if isinstance(self.pp_layer_partition, str):
-            self.pp_layer_partition = parse_partition(self.pp_layer_partition)
+        self._resolve_environment()
         self.model = resolve_model_path(self.model)
         if not self.hf_config:
             self.hf_config = load_hf_config(self.model)
@@ -278,8 +283,33 @@ class Config(EngineSettings):
             for name, value in torchrun_settings(os.environ).items():
                 setattr(self, name, value)
         # Building them validates the rank layout, the nodes and every limit.
-        _ = self.parallel_config, self.limits, self.node_layout
+        _ = self.parallel_config, self.node_layout
+        self.limits = self._build_limits()
         self._validate_parallel(text)
+
+    def _resolve_environment(self) -> None:
+        """Fill the settings the caller left unset from the environment, and check
+        them; a value the caller gave wins over the environment."""
+        if self.pp_layer_partition is None:
+            text = next(
+                (os.environ[v] for v in PARTITION_ENV_VARS if os.environ.get(v)), None
+            )
+            self.pp_layer_partition = text
+        if isinstance(self.pp_layer_partition, str):
+            self.pp_layer_partition = parse_partition(self.pp_layer_partition)
+        if self.kda_backend is None:
+            self.kda_backend = os.environ.get(KDA_BACKEND_ENV_VAR) or "auto"
+        self.kda_backend = self.kda_backend.lower()
+        if self.kda_backend not in KDA_BACKENDS:
+            raise ValueError(
+                f"kda_backend ({KDA_BACKEND_ENV_VAR}) {self.kda_backend!r}; "
+                f"allowed: {', '.join(KDA_BACKENDS)}"
+            )
+
+    def describe_settings(self) -> str:
+        """The settings that the environment may give, as resolved (start-up log)."""
+        partition = self.pp_layer_partition or "even split"
+        return f"pp layer partition {partition}, KDA backend {self.kda_backend}"
 
     @property
     def parallel_config(self) -> ParallelConfig:
@@ -300,8 +330,7 @@ class Config(EngineSettings):
             store_hosted_elsewhere=self.store_hosted_elsewhere,
         )
 
-    @property
-    def limits(self) -> EngineLimits:
+    def _build_limits(self) -> EngineLimits:
         return EngineLimits(
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from atom.models.tiny.excerpt import HELD_OUT_FILE
+from atom.utils.arithmetic import ceil_div
 
 PACKAGE = "bible-kjv-text"
 DATA_MEMBER = "usr/lib/bible.data"
@@ -80,7 +81,7 @@ def lzw_decompress(data: bytes, max_bits: int) -> bytes:
 
     def end_of_group() -> int:
         group = width * 8
-        return width_start + -(-(pos - width_start) // group) * group
+        return width_start + ceil_div(pos - width_start, group) * group
 
     while True:
         if len(table) >= 1 << width and width < max_bits:

@@ -27,6 +27,7 @@ from atom.models.kimi_k3.dspark import KimiK3DSpark
 from atom.models.utils import language_model_of
 from atom.sampling_params import SamplingParams
 from atom.spec_decode.aux_capture import TapCapture, allocate_tap_buffers
+from atom.utils.arithmetic import ceil_div
 from tools.draft_objective import dspark_loss
 from tools.prefill import BLOCK_SIZE, prefill
 from tools.step_plan import StepPlan, run_steps
@@ -70,7 +71,7 @@ def _engine_size(num_prompts: int, max_len: int) -> dict:
     """Engine limits for a batch: KV blocks for every sequence at once, no more (on
     a GPU the default would reserve most of the memory training needs)."""
     seqs = min(num_prompts, MAX_ENGINE_SEQS)
-    blocks = seqs * -(-max_len // BLOCK_SIZE) + 1
+    blocks = seqs * ceil_div(max_len, BLOCK_SIZE) + 1
     return dict(max_num_seqs=seqs, max_model_len=max_len, num_kvcache_blocks=blocks)
 
 

@@ -17,6 +17,7 @@ from atom.model_engine.batch import SeqWork
 from atom.model_engine.cache_engine import CacheEngine
 from atom.model_engine.model_inputs import prepare_inputs
 from atom.model_loader.build import load_target
+from atom.utils.arithmetic import ceil_div
 from atom.utils.forward_context import ForwardContext, set_forward_context
 
 BLOCK_SIZE = 16
@@ -46,7 +47,7 @@ def prefill(model: nn.Module, sequences: list[list[int]]) -> torch.Tensor:
     if not sequences or any(len(seq) == 0 for seq in sequences):
         raise ValueError("prefill needs at least one sequence, none of them empty")
     parameter = next(model.parameters())
-    blocks = -(-max(len(seq) for seq in sequences) // BLOCK_SIZE)
+    blocks = ceil_div(max(len(seq) for seq in sequences), BLOCK_SIZE)
     count = len(sequences)
     CacheEngine(
         [model], blocks * count, BLOCK_SIZE, count, 0, parameter.device, parameter.dtype

@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from atom.utils.arithmetic import ceil_div
+
 
 @triton.jit
 def _expert_gemm_kernel(
@@ -93,9 +95,9 @@ def expert_tiles(
     num_experts = group_ends.numel()
     ends = group_ends.long()
     counts = ends.diff(prepend=ends.new_zeros(1))
-    tiles_per_expert = (counts + block_m - 1) // block_m
+    tiles_per_expert = ceil_div(counts, block_m)
     tile_ends = tiles_per_expert.cumsum(0)
-    max_tiles = (num_rows + block_m - 1) // block_m + num_experts
+    max_tiles = ceil_div(num_rows, block_m) + num_experts
     tile = torch.arange(max_tiles, device=ends.device)
     expert = torch.searchsorted(tile_ends, tile, right=True)
     known = expert.clamp(max=num_experts - 1)

@@ -21,7 +21,7 @@ class SeqWork:
     # The last stage samples (or verifies) this sequence in this forward.
     sample: bool = True
     # Drafts among token_ids: token_ids = [last, d1..dT]; 0 when not verifying.
-    num_spec_tokens: int = 0
+    num_drafts: int = 0
     temperature: float = 0.0
     top_k: int = -1
     top_p: float = 1.0
@@ -88,7 +88,7 @@ class BatchOutput:
     def seq_ids(self) -> list[int]:
         return [choice.seq_id for choice in self.choices]
 
-    def check_against(self, batch: ScheduledBatch, max_drafts: int) -> None:
+    def check_against(self, batch: ScheduledBatch, num_speculative_tokens: int) -> None:
         """Raise RuntimeError unless this is a consistent answer to `batch`."""
         if self.batch_id != batch.batch_id:
             raise RuntimeError(
@@ -103,7 +103,7 @@ class BatchOutput:
         works = [work for work in batch.work if work.sample]
         for work, choice in zip(works, self.choices):
             where = f"BatchOutput of batch {batch.batch_id}, sequence {work.seq_id}"
-            verified = work.token_ids[1 : 1 + work.num_spec_tokens]
+            verified = work.token_ids[1 : 1 + work.num_drafts]
             tokens, accepted = choice.token_ids, choice.num_accepted
             if not 0 <= accepted <= len(verified):
                 raise RuntimeError(
@@ -119,8 +119,8 @@ class BatchOutput:
                     f"{where}: accepted tokens {tokens[:accepted]} differ from the "
                     f"drafts {verified[:accepted]}"
                 )
-            if len(choice.draft_token_ids) > max_drafts:
+            if len(choice.draft_token_ids) > num_speculative_tokens:
                 raise RuntimeError(
                     f"{where}: {len(choice.draft_token_ids)} drafts, at most "
-                    f"{max_drafts} expected"
+                    f"{num_speculative_tokens} expected"
                 )

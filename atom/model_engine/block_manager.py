@@ -16,10 +16,7 @@ from dataclasses import dataclass
 import xxhash
 
 from atom.model_engine.sequence import Sequence
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+from atom.utils.arithmetic import ceil_div
 
 
 def _token_bytes(token_ids: list[int]) -> bytes:
@@ -87,7 +84,7 @@ class BlockManager:
         return self.num_used_blocks / len(self.blocks)
 
     def num_blocks_for(self, num_tokens: int) -> int:
-        return _cdiv(num_tokens, self.block_size)
+        return ceil_div(num_tokens, self.block_size)
 
     # ---- hashing ----
     def block_hash(self, seq: Sequence, block_index: int) -> int:

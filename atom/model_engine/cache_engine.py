@@ -1,31 +1,35 @@
-"""Allocates the paged MLA KV cache and the KDA state slots, and binds them to layers.
+"""Allocates the paged KV cache and the recurrent state slots, and binds them to layers.
 
-Layers declare what they need and receive tensors as attributes:
-- `kv_cache_dim: int` (MLA, target or draft) -> `.kv_cache` [blocks, block_size, dim];
-- `state_shapes() -> (conv, ssm)` (KDA) -> `.conv_state` [slots, *conv] (model dtype),
-  `.ssm_state` [slots, *ssm] (fp32) and, with speculation, `.conv_snapshots` /
-  `.ssm_snapshots` [slots, rows, ...]: the state after each verify row.
+What a layer declares to get either is `atom/models/interfaces.py`: a
+`PagedKVLayer` gets its rows of the paged pool, a `RecurrentStateLayer` a tensor
+per slot for each `StateTensor` of its `state_spec()` and, with speculation, the
+snapshot after each verify row. The engine keeps the tensors it allocated, so
+rolling back and forking states reads no layer attribute.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
-
-def kv_layers(modules: list[nn.Module]) -> list[nn.Module]:
-    return [m for root in modules for m in root.modules() if hasattr(m, "kv_cache_dim")]
+from atom.models.interfaces import PagedKVLayer, RecurrentStateLayer, StateTensor
 
 
-def state_layers(modules: list[nn.Module]) -> list[nn.Module]:
-    return [m for root in modules for m in root.modules() if hasattr(m, "state_shapes")]
+def kv_layers(modules: list[nn.Module]) -> list[PagedKVLayer]:
+    return [
+        m for root in modules for m in root.modules() if isinstance(m, PagedKVLayer)
+    ]
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    count = 1
-    for dim in shape:
-        count *= dim
-    return count
+def state_layers(modules: list[nn.Module]) -> list[RecurrentStateLayer]:
+    return [
+        m
+        for root in modules
+        for m in root.modules()
+        if isinstance(m, RecurrentStateLayer)
+    ]
 
 
 class CacheEngine:
@@ -35,14 +39,14 @@ class CacheEngine:
         num_blocks: int,
         block_size: int,
         num_state_slots: int,
-        num_spec_rows: int,
+        num_verify_rows: int,
         device: torch.device | str,
         dtype: torch.dtype,
     ) -> None:
         for name, value in (
             ("num_blocks", num_blocks),
             ("num_state_slots", num_state_slots),
-            ("num_spec_rows", num_spec_rows),
+            ("num_verify_rows", num_verify_rows),
         ):
             if value < 0:
                 raise ValueError(f"{name} must be >= 0, got {value}")
@@ -51,7 +55,7 @@ class CacheEngine:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.num_state_slots = num_state_slots
-        self.num_spec_rows = num_spec_rows
+        self.num_verify_rows = num_verify_rows
         self.dtype = dtype
         self.device = torch.device(device)
         self.kv_layers = kv_layers(modules)
@@ -62,24 +66,32 @@ class CacheEngine:
         self.scratch_state_slot = num_state_slots
         blocks, slots = num_blocks + 1, num_state_slots + 1
         for layer in self.kv_layers:
-            layer.kv_cache = torch.zeros(
-                blocks, block_size, layer.kv_cache_dim, dtype=dtype, device=device
+            layer.bind_kv_cache(
+                torch.zeros(
+                    blocks,
+                    block_size,
+                    layer.kv_cache_dim,
+                    dtype=layer.kv_cache_dtype or dtype,
+                    device=device,
+                )
             )
+        # Per state layer: {name: [slots, *shape]} and {name: [slots, rows, *shape]}.
+        self.states: list[dict[str, torch.Tensor]] = []
+        self.snapshots: list[dict[str, torch.Tensor]] = []
         for layer in self.state_layers:
-            conv, ssm = layer.state_shapes()
-            layer.conv_state = torch.zeros(slots, *conv, dtype=dtype, device=device)
-            layer.ssm_state = torch.zeros(
-                slots, *ssm, dtype=torch.float32, device=device
-            )
-            # Rebinding replaces everything, so no buffer of an older engine lingers.
-            layer.conv_snapshots = layer.ssm_snapshots = None
-            if num_spec_rows:
-                layer.conv_snapshots = torch.zeros(
-                    slots, num_spec_rows, *conv, dtype=dtype, device=device
-                )
-                layer.ssm_snapshots = torch.zeros(
-                    slots, num_spec_rows, *ssm, dtype=torch.float32, device=device
-                )
+            spec = layer.state_spec()
+            states = {t.name: self._zeros(t, (slots,)) for t in spec}
+            snapshots = None
+            if num_verify_rows:
+                rows = (slots, num_verify_rows)
+                snapshots = {t.name: self._zeros(t, rows) for t in spec}
+            self.states.append(states)
+            self.snapshots.append(snapshots or {})
+            layer.bind_states(states, snapshots)
+
+    def _zeros(self, tensor: StateTensor, lead: tuple[int, ...]) -> torch.Tensor:
+        dtype = tensor.dtype or self.dtype
+        return torch.zeros(*lead, *tensor.shape, dtype=dtype, device=self.device)
 
     def _check_slots(self, slots: list[int], what: str) -> None:
         bad = [s for s in slots if not 0 <= s < self.num_state_slots]
@@ -103,9 +115,9 @@ class CacheEngine:
         self._check_slots(src_slots, "source")
         self._check_slots(dst_slots, "destination")
         src, dst = self._slot_tensor(src_slots), self._slot_tensor(dst_slots)
-        for layer in self.state_layers:
-            layer.conv_state.index_copy_(0, dst, layer.conv_state.index_select(0, src))
-            layer.ssm_state.index_copy_(0, dst, layer.ssm_state.index_select(0, src))
+        for states in self.states:
+            for state in states.values():
+                state.index_copy_(0, dst, state.index_select(0, src))
 
     def commit(self, slots: list[int], num_rows: list[int]) -> None:
         """After a verify forward: each slot's state becomes the one after its row
@@ -115,33 +127,34 @@ class CacheEngine:
         if not slots:
             return
         self._check_slots(slots, "commit")
-        bad = [n for n in num_rows if not 1 <= n <= self.num_spec_rows]
+        bad = [n for n in num_rows if not 1 <= n <= self.num_verify_rows]
         if bad:
             raise ValueError(
-                f"commit of {bad} rows outside [1, {self.num_spec_rows}] "
+                f"commit of {bad} rows outside [1, {self.num_verify_rows}] "
                 "(the snapshot rows bound)"
             )
         slot_index = self._slot_tensor(slots)
         row_index = self._slot_tensor(num_rows) - 1
-        for layer in self.state_layers:
-            layer.conv_state.index_copy_(
-                0, slot_index, layer.conv_snapshots[slot_index, row_index]
-            )
-            layer.ssm_state.index_copy_(
-                0, slot_index, layer.ssm_snapshots[slot_index, row_index]
-            )
+        for states, snapshots in zip(self.states, self.snapshots):
+            for name, state in states.items():
+                state.index_copy_(0, slot_index, snapshots[name][slot_index, row_index])
 
     def kv_bytes_per_block(self) -> int:
-        element = torch.empty(0, dtype=self.dtype).element_size()
         return sum(
-            self.block_size * layer.kv_cache_dim * element for layer in self.kv_layers
+            self.block_size
+            * layer.kv_cache_dim
+            * self._element_size(layer.kv_cache_dtype)
+            for layer in self.kv_layers
         )
 
     def state_bytes_per_slot(self) -> int:
-        model_bytes = torch.empty(0, dtype=self.dtype).element_size()
-        rows = 1 + self.num_spec_rows
-        total = 0
-        for layer in self.state_layers:
-            conv, ssm = layer.state_shapes()
-            total += rows * (_numel(conv) * model_bytes + _numel(ssm) * 4)
-        return total
+        """A slot's state and, with speculation, its snapshot rows."""
+        rows = 1 + self.num_verify_rows
+        return sum(
+            rows * math.prod(t.shape) * self._element_size(t.dtype)
+            for layer in self.state_layers
+            for t in layer.state_spec()
+        )
+
+    def _element_size(self, dtype: torch.dtype | None) -> int:
+        return torch.empty(0, dtype=dtype or self.dtype).element_size()

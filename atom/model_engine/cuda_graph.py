@@ -119,7 +119,7 @@ class DecodeGraphs:
             block_table=[0] * self.table_width,
             state_slot=self.state_slot,
             sample=False,
-            num_spec_tokens=query_len - 1,
+            num_drafts=query_len - 1,
         )
         packed, layout = build_step(
             [dummy], self.block_size, self.table_width, self._padding(size)
@@ -150,7 +150,7 @@ class DecodeGraphs:
         for work in works:
             if work.num_rows != query_len or work.context_len == 0:
                 return None
-            if work.num_spec_tokens != query_len - 1:
+            if work.num_drafts != query_len - 1:
                 return None
             if len(work.block_table) > self.table_width:
                 return None

@@ -61,13 +61,15 @@ class LLMEngine:
         self.in_flight: deque[ScheduledBatch] = deque()
         self.max_in_flight = config.pipeline_parallel_size
         logger.info(
-            "engine ready: %s, tp=%d pp=%d, %d KV blocks of %d tokens, speculation %s",
+            "engine ready: %s, tp=%d pp=%d, %d KV blocks of %d tokens, "
+            "speculation %s, %s",
             model,
             config.tensor_parallel_size,
             config.pipeline_parallel_size,
             info.num_kv_blocks,
             config.block_size,
             config.speculative_config.method if config.speculative_config else "off",
+            config.describe_settings(),
         )
 
     def _eos_token_id(self) -> int | list[int] | None:

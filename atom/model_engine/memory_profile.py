@@ -23,6 +23,7 @@ import torch
 
 from atom.model_engine.batch import SeqWork
 from atom.model_engine.model_inputs import prepare_inputs
+from atom.utils.arithmetic import ceil_div
 from atom.utils.forward_context import ForwardContext, set_forward_context
 
 if TYPE_CHECKING:
@@ -56,7 +57,7 @@ def _dummy(length: int, context_len: int, width: int, runner: ModelRunner) -> Se
         block_table=[0] * width,
         state_slot=cache.scratch_state_slot,
         sample=False,
-        num_spec_tokens=0,
+        num_drafts=0,
     )
 
 
@@ -83,7 +84,7 @@ def profile_prefill(runner: ModelRunner) -> None:
     remaining, works = limits.max_num_batched_tokens, []
     while remaining > 0:
         length = min(remaining, limits.max_model_len)
-        works.append(_dummy(length, 0, -(-length // limits.block_size), runner))
+        works.append(_dummy(length, 0, ceil_div(length, limits.block_size), runner))
         remaining -= length
     _forward(runner, works)
 
@@ -96,7 +97,7 @@ def profile_decode(runner: ModelRunner) -> None:
         for _ in range(limits.max_num_seqs)
     ]
     for work in works:
-        work.num_spec_tokens = rows - 1
+        work.num_drafts = rows - 1
     _forward(runner, works)
 
 

@@ -59,9 +59,9 @@ def slot_of(block_table: list[int], position: int, block_size: int) -> int:
 def _check_work(work: SeqWork, block_size: int) -> None:
     if not work.token_ids:
         raise ValueError(f"sequence {work.seq_id} has no rows in this forward")
-    if not 0 <= work.num_spec_tokens < len(work.token_ids):
+    if not 0 <= work.num_drafts < len(work.token_ids):
         raise ValueError(
-            f"sequence {work.seq_id}: num_spec_tokens={work.num_spec_tokens} "
+            f"sequence {work.seq_id}: num_drafts={work.num_drafts} "
             f"with {len(work.token_ids)} rows (rows are [last, d1..dT])"
         )
     slot_of(work.block_table, work.context_len + work.num_rows - 1, block_size)
@@ -150,7 +150,7 @@ def build_step(
         max_query_len=max_query_len,
         uniform=uniform,
         all_fresh=all(work.context_len == 0 for work in works),
-        keeps_row_states=any(work.num_spec_tokens for work in works),
+        keeps_row_states=any(work.num_drafts for work in works),
         fields=tuple((name, tuple(t.shape)) for name, t in named.items()),
     )
     return torch.cat([t.reshape(-1) for t in named.values()]), layout

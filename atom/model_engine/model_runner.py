@@ -26,10 +26,14 @@ from atom.model_engine.model_inputs import prepare_inputs
 from atom.model_engine.step_sampler import StepSampler
 from atom.model_loader.build import building_on, load_target
 from atom.model_ops.sampling_metadata import SamplingMetadata
+from atom.models.interfaces import (
+    STATE_ROLLBACK_MODE,
+    RecurrentStateLayer,
+    is_graph_capturable,
+)
 from atom.models.registry import check_pp_support, draft_tap_ids
 from atom.models.utils import IntermediateTensors, language_model_of
 from atom.spec_decode.drafter import Drafter
-from atom.spec_decode.dspark_drafter import KDA_ROLLBACK_MODE
 from atom.spec_decode.factory import build_drafter
 from atom.spec_decode.pp_aux_relay import AUX_KEY, PPAuxRelay
 from atom.utils.forward_context import ForwardContext, set_forward_context
@@ -100,7 +104,7 @@ class ModelRunner:
 
     @property
     def has_recurrent_state(self) -> bool:
-        return any(hasattr(m, "state_shapes") for m in self.model.modules())
+        return any(isinstance(m, RecurrentStateLayer) for m in self.model.modules())
 
     def cache_modules(self) -> list[torch.nn.Module]:
         return [self.model] + ([self.drafter.model] if self.drafter else [])
@@ -134,27 +138,27 @@ class ModelRunner:
 
     def allocate_caches(self, num_blocks: int) -> None:
         self.cache = self._cache_engine(num_blocks, self.limits.num_state_slots)
-        if self.cache.num_spec_rows and self.cache.state_layers:
+        if self.cache.num_verify_rows and self.cache.state_layers:
             logger.info(
                 "%s %s: %s of %d KDA layers, %d rows per state slot",
                 KDA_ROLLBACK_MARKER,
                 self.rank_label(),
-                KDA_ROLLBACK_MODE,
+                STATE_ROLLBACK_MODE,
                 len(self.cache.state_layers),
-                self.cache.num_spec_rows,
+                self.cache.num_verify_rows,
             )
         if self.use_graphs:
             self.graphs = self._capture_graphs()
 
     def _cache_engine(self, num_blocks: int, num_state_slots: int) -> CacheEngine:
         # A verify keeps the state after each of its T + 1 rows.
-        num_spec = self.limits.num_speculative_tokens
+        num_speculative_tokens = self.limits.num_speculative_tokens
         return CacheEngine(
             self.cache_modules(),
             num_blocks,
             self.limits.block_size,
             num_state_slots,
-            num_spec + 1 if num_spec else 0,
+            num_speculative_tokens + 1 if num_speculative_tokens else 0,
             self.device,
             self.dtype,
         )
@@ -170,7 +174,7 @@ class ModelRunner:
             {
                 type(m).__name__
                 for m in self.model.modules()
-                if not getattr(m, "graph_capturable", True)
+                if not is_graph_capturable(m)
             }
         )
         if uncapturable:
@@ -181,7 +185,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _capture_graphs(self) -> DecodeGraphs:
-        num_spec = self.limits.num_speculative_tokens
+        num_speculative_tokens = self.limits.num_speculative_tokens
         sizes = capture_sizes(
             self.config.cudagraph_capture_sizes, self.limits.max_num_seqs
         )
@@ -191,7 +195,7 @@ class ModelRunner:
         return DecodeGraphs(
             self.model,
             sizes,
-            [1, num_spec + 1] if num_spec else [1],
+            [1, num_speculative_tokens + 1] if num_speculative_tokens else [1],
             self.limits.block_size,
             table_width,
             (self.cache.scratch_kv_slot, self.cache.scratch_state_slot),

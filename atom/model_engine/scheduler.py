@@ -52,8 +52,11 @@ class Scheduler:
             on_hash_evicted=self.checkpoints.invalidate,
         )
         self.state_slots = StateSlotAllocator(limits.max_num_seqs)
-        num_spec = limits.num_speculative_tokens
-        self.spec_stats = SpecDecodeStats(num_spec) if num_spec else None
+        self.spec_stats = (
+            SpecDecodeStats(limits.num_speculative_tokens)
+            if limits.num_speculative_tokens
+            else None
+        )
 
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -233,25 +236,25 @@ class Scheduler:
         for seq in [s for s in self.running if s.num_uncomputed_tokens == 1]:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted to make room for an earlier one
-            num_spec = self._num_verify_tokens(seq)
-            if 1 + num_spec > budget:
+            num_drafts = self._num_drafts_to_verify(seq)
+            if 1 + num_drafts > budget:
                 break
-            if not self._make_room(seq, num_spec, scheduled):
+            if not self._make_room(seq, num_drafts, scheduled):
                 continue
             start = seq.num_computed_tokens
             seq.num_computed_tokens += 1
-            rows = [seq.last_token] + seq.spec_token_ids[:num_spec]
+            rows = [seq.last_token] + seq.spec_token_ids[:num_drafts]
             works.append(
                 self._work(
-                    seq, token_ids=rows, context_len=start, num_spec_tokens=num_spec
+                    seq, token_ids=rows, context_len=start, num_drafts=num_drafts
                 )
             )
             scheduled.add(seq.seq_id)
             budget -= len(rows)
         return works
 
-    def _num_verify_tokens(self, seq: Sequence) -> int:
-        """T_eff: drafts to verify without passing max_tokens or max_model_len."""
+    def _num_drafts_to_verify(self, seq: Sequence) -> int:
+        """The drafts to verify (at most T), within max_tokens and max_model_len."""
         if not self.limits.num_speculative_tokens:
             return 0
         remaining = seq.sampling_params.max_tokens - seq.num_output_tokens
@@ -259,10 +262,10 @@ class Scheduler:
         limit = min(self.limits.num_speculative_tokens, len(seq.spec_token_ids))
         return max(0, min(limit, remaining - 1, room - 1))
 
-    def _make_room(self, seq: Sequence, num_spec: int, taken: set[int]) -> bool:
+    def _make_room(self, seq: Sequence, num_drafts: int, taken: set[int]) -> bool:
         """Blocks for the verify rows and the drafter's block rows, preempting the
         latest admitted sequences if needed; False if seq itself was preempted."""
-        num_new = num_spec + self.limits.num_speculative_tokens
+        num_new = num_drafts + self.limits.num_speculative_tokens
         while not self.block_manager.can_append(seq, num_new):
             victims = [
                 s for s in self.running if s is not seq and s.seq_id not in taken
@@ -329,9 +332,9 @@ class Scheduler:
             if seq is None or seq.in_flight_batch_id != batch.batch_id:
                 continue  # aborted or preempted while the batch ran
             seq.in_flight_batch_id = None
-            if work.num_spec_tokens:
+            if work.num_drafts:
                 # Counted before stop truncation: it measures the drafter.
-                self.spec_stats.record(work.num_spec_tokens, accepted)
+                self.spec_stats.record(work.num_drafts, accepted)
             seq.num_computed_tokens += accepted
             num_before = seq.num_tokens
             reason = seq.append_tokens(
@@ -343,7 +346,7 @@ class Scheduler:
                 finished.append(seq)
                 continue
             seq.spec_token_ids = list(choice.draft_token_ids)
-            if work.num_spec_tokens:
+            if work.num_drafts:
                 self._pending_commits[seq.seq_id] = (seq.state_slot, accepted + 1)
         return finished
 

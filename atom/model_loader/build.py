@@ -10,6 +10,7 @@ from torch import nn
 
 from atom.config import Config
 from atom.model_loader.loader import LoadReport, load_weights
+from atom.models.interfaces import PipelineModel
 from atom.models.registry import get_model_class
 
 
@@ -33,5 +34,10 @@ def load_target(
     dtype, its weights loaded strictly, in eval mode."""
     with building_on(device, config.torch_dtype):
         model = get_model_class(config.hf_config.architecture)(config)
+    if not isinstance(model, PipelineModel):
+        raise TypeError(
+            f"{type(model).__name__} lacks what a target declares "
+            "(PipelineModel, atom/models/interfaces.py)"
+        )
     report = load_weights(model, config.model)
     return model.eval(), report

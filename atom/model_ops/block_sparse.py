@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from atom.utils.arithmetic import ceil_div
+
 
 @dataclass(frozen=True)
 class IndexerConfig:
@@ -38,7 +40,7 @@ def _pooled_block_scores(
     """[B, G, Q, num_blocks] fp32: each block's best visible index score (-inf when
     it holds no visible key)."""
     num_keys = index_k.shape[1]
-    num_blocks = -(-num_keys // block_size)
+    num_blocks = ceil_div(num_keys, block_size)
     scores = torch.einsum("bqgd,bsd->bgqs", index_q.float(), index_k.float())
     scores = scores.masked_fill(~visible.unsqueeze(1), float("-inf"))
     pad = num_blocks * block_size - num_keys

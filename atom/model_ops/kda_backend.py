@@ -2,21 +2,19 @@
 
 Every backend has the contract of `atom.model_ops.kda`: a batch of sequences padded to
 [B, T, h, D], q and k already L2-normalised, g the fp32 log-decay, beta fp32, start
-states value-first [B, h, Dv, Dk] fp32; outputs are fp32. `ATOM_KDA_BACKEND=auto|torch|fla` overrides the
-choice (auto: fla when on CUDA and importable, else torch).
+states value-first [B, h, Dv, Dk] fp32; outputs are fp32. `Config.kda_backend`
+(`ATOM_KDA_BACKEND=auto|torch|fla`) picks one (auto: fla when on CUDA and importable,
+else torch).
 """
 
 import importlib
-import os
 from typing import Protocol
 
 import torch
 
+from atom.config import KDA_BACKENDS
 from atom.model_ops.kda import chunk_kda, recurrent_kda
 from atom.utils.forward_context import AttentionMetadata
-
-BACKEND_ENV_VAR = "ATOM_KDA_BACKEND"
-_CHOICES = ("auto", "torch", "fla")
 
 
 class KDABackend(Protocol):
@@ -116,14 +114,11 @@ def fla_available() -> bool:
     return True
 
 
-def select_kda_backend(
-    device: torch.device | str, choice: str | None = None
-) -> KDABackend:
-    """The KDA backend for `device`; `choice` (else $ATOM_KDA_BACKEND, else auto)."""
-    choice = (choice or os.environ.get(BACKEND_ENV_VAR) or "auto").lower()
-    if choice not in _CHOICES:
+def select_kda_backend(device: torch.device | str, choice: str = "auto") -> KDABackend:
+    """The KDA backend `choice` (`Config.kda_backend`) names for `device`."""
+    if choice not in KDA_BACKENDS:
         raise ValueError(
-            f"{BACKEND_ENV_VAR}={choice!r}; allowed: {', '.join(_CHOICES)}"
+            f"unknown KDA backend {choice!r}; allowed: {', '.join(KDA_BACKENDS)}"
         )
     on_cuda = torch.device(device).type == "cuda"
     if choice == "torch":

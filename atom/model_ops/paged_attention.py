@@ -3,7 +3,7 @@
 A cache row holds one token's keys and values for this rank's KV heads (a layer may
 append more, e.g. an index key); `paged_mla.write_kv` / `gather_kv` store and read
 rows of any width. Queries are padded per sequence [B, Q, hq, d]; `visible`
-[B, g, Q, S] marks the keys each query row may attend to, g = 1 (all heads alike)
+[B, g, Q, S] (`visibility.py`) marks the keys each query row may attend to, g = 1 (all heads alike)
 or g = hkv (one mask per KV group, as block-sparse attention selects).
 """
 
@@ -11,21 +11,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
-from atom.model_ops.paged_mla import causal_visibility
-from atom.utils.forward_context import AttentionMetadata
-
-
-def sequence_visibility(metadata: AttentionMetadata, num_keys: int) -> torch.Tensor:
-    """[B, Q, S] bool: a query at position p sees its sequence's key rows 0..p.
-
-    Keys past the sequence's last row in this forward are never visible, not even to
-    a padded query row: a gathered block holds whatever an earlier owner wrote there.
-    """
-    visible = causal_visibility(metadata.query_positions, num_keys)
-    ends = metadata.context_lens + metadata.query_start_loc.diff()
-    keys = torch.arange(num_keys, device=ends.device)
-    return visible & (keys.unsqueeze(0) < ends.unsqueeze(1)).unsqueeze(1)
 
 
 def gqa_attention(

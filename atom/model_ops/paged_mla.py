@@ -10,8 +10,8 @@ and values. Two exact forms of one attention:
   up-projection into the output, so a step reads each cached latent row once and
   never expands the cache. Scores and softmax accumulate in fp32.
 
-Queries are padded per sequence [B, Q, h, *]; `visible` [B, Q, S] marks the keys each
-query row may attend to.
+Queries are padded per sequence [B, Q, h, *]; `visible` [B, Q, S] (`visibility.py`)
+marks the keys each query row may attend to.
 """
 
 from __future__ import annotations
@@ -39,12 +39,6 @@ def gather_kv(kv_cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tenso
     num_seqs, width = block_tables.shape
     rows = kv_cache.index_select(0, block_tables.reshape(-1))
     return rows.view(num_seqs, width * kv_cache.shape[1], kv_cache.shape[2])
-
-
-def causal_visibility(query_positions: torch.Tensor, num_keys: int) -> torch.Tensor:
-    """[B, Q, S] bool: a query at position p sees key rows 0..p."""
-    keys = torch.arange(num_keys, device=query_positions.device)
-    return keys.view(1, 1, -1) <= query_positions.unsqueeze(-1)
 
 
 def _split_kv_b(

@@ -180,9 +180,9 @@ class SamplingMetadata:
             end = start + work.num_rows
             if work.sample:
                 first = len(logit_rows)
-                logit_rows.extend(range(end - 1 - work.num_spec_tokens, end))
-                row_index.append([first + j for j in range(work.num_spec_tokens + 1)])
-                drafts.append(work.token_ids[1 : 1 + work.num_spec_tokens])
+                logit_rows.extend(range(end - 1 - work.num_drafts, end))
+                row_index.append([first + j for j in range(work.num_drafts + 1)])
+                drafts.append(work.token_ids[1 : 1 + work.num_drafts])
                 sampled.append(work)
             start = end
         spec = SpecDecodeMetadata(
@@ -198,7 +198,7 @@ class SamplingMetadata:
             top_ks=[w.top_k for w in sampled],
             top_ps=[w.top_p for w in sampled],
             seeds=[w.seed for w in sampled],
-            positions=[w.context_len + w.num_rows - w.num_spec_tokens for w in sampled],
+            positions=[w.context_len + w.num_rows - w.num_drafts for w in sampled],
             device=device,
             seq_ids=[w.seq_id for w in sampled],
             logit_rows=logit_rows,

@@ -22,29 +22,9 @@ from atom.model_ops.activation import SiluAndMul
 from atom.model_ops.gated_mlp import GatedMLP
 from atom.model_ops.layernorm import RMSNorm
 from atom.model_ops.linear import ReplicatedLinear
-from atom.models.utils import PPMissingLayer
+from atom.model_ops.paged_mla import gather_kv
+from atom.model_ops.visibility import block_pass_visibility
 from atom.utils.forward_context import ForwardContext, set_forward_context
-
-
-def target_vocab_size(target_base: nn.Module) -> int:
-    """The target's vocabulary, read without touching its embedding module.
-
-    `target_base` is the language model (`.model`, `.lm_head`). `model.vocab_size` is
-    set on every stage; the LM head is the fallback. `embed_tokens.num_embeddings` is
-    never read: on a stage whose embedding is a PPMissingLayer that raises
-    AttributeError and hides the placement error the caller is about to report.
-    """
-    vocab = getattr(getattr(target_base, "model", None), "vocab_size", None)
-    if vocab is None:
-        lm_head = getattr(target_base, "lm_head", None)
-        if lm_head is not None and not isinstance(lm_head, PPMissingLayer):
-            vocab = getattr(lm_head, "num_embeddings", None)
-    if vocab is None:
-        raise ValueError(
-            f"cannot read the target vocabulary from {type(target_base).__name__}: "
-            "it has neither model.vocab_size nor a real lm_head"
-        )
-    return int(vocab)
 
 
 class SharedEmbeddingDraft(nn.Module):
@@ -70,7 +50,10 @@ class SharedEmbeddingDraft(nn.Module):
 
     def validate_target_vocab(self, target_base: nn.Module) -> int:
         """Raise ValueError unless the target's vocabulary equals the draft's."""
-        vocab = target_vocab_size(target_base)
+        # `model.vocab_size` is set on every stage (`PipelineTextStack.build_stage`);
+        # `embed_tokens.num_embeddings` is not read: on a stage whose embedding is a
+        # PPMissingLayer it raises and hides the placement error reported next.
+        vocab = target_base.model.vocab_size
         if vocab != self.vocab_size:
             raise ValueError(
                 f"draft vocab_size {self.vocab_size} differs from the target's "
@@ -116,9 +99,8 @@ class MarkovHead(nn.Module):
 class DraftAttention(nn.Module):
     """Base of a draft's attention: its KV rows live in the target's paged pool.
 
-    The CacheEngine binds `kv_cache` [num_blocks, block_size, kv_cache_dim]; a
-    subclass sets `kv_cache_dim` (the width of its cache rows) and reaches the
-    cache through `cache()`.
+    A `PagedKVLayer` (models/interfaces.py): a subclass sets `kv_cache_dim` (the
+    width of its cache rows) and reaches the bound cache through `cache()`.
     """
 
     kv_cache_dim: int
@@ -126,7 +108,11 @@ class DraftAttention(nn.Module):
     def __init__(self, prefix: str) -> None:
         super().__init__()
         self.prefix = prefix
+        self.kv_cache_dtype: torch.dtype | None = None
         self.kv_cache: torch.Tensor | None = None
+
+    def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
+        self.kv_cache = kv_cache
 
     def cache(self) -> torch.Tensor:
         if self.kv_cache is None:
@@ -135,6 +121,27 @@ class DraftAttention(nn.Module):
                 "CacheEngine before writing or reading context rows"
             )
         return self.kv_cache
+
+    def block_keys(
+        self,
+        block_rows: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        window: tuple[int, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """What a block pass attends to: (keys [B, C + T, kv_cache_dim], visible
+        [B, T, C + T] bool).
+
+        Keys are each sequence's cached context rows (gathered through
+        `block_tables`) then its T `block_rows` [B, T, kv_cache_dim], which the
+        caller rounds through the cache dtype as a write and read-back would;
+        `visible` is `block_pass_visibility` (`window`: size, positions).
+        """
+        context = gather_kv(self.cache(), block_tables)
+        visible = block_pass_visibility(
+            context_lens, context.shape[1], block_rows.shape[1], window
+        )
+        return torch.cat([context, block_rows], dim=1), visible
 
 
 class DSparkLayer(nn.Module):

@@ -47,11 +47,7 @@ DRAFT_MODELS: dict[str, str] = {
 # Whether each speculative method's draft shares the target's embedding. Only sharing
 # methods may be declared for PP: their drafter on the last stage needs the target's
 # table there, which `pp_holds_embedding` builds.
-METHOD_SHARES_EMBEDDING: dict[str, bool] = {
-    "dspark": True,
-    "eagle3": False,
-    "mtp": False,
-}
+METHOD_SHARES_EMBEDDING: dict[str, bool] = {"dspark": True}
 
 # Speculative methods each architecture serves under pipeline parallelism.
 pp_speculative_methods: dict[str, frozenset[str]] = {
@@ -123,7 +119,7 @@ def serves_pp_speculation(config: Config) -> bool:
     if spec is None:
         return False
     arch = resolve_architecture(config.hf_config.architecture)
-    return spec.canonical_method in pp_speculative_methods.get(arch, frozenset())
+    return spec.method in pp_speculative_methods.get(arch, frozenset())
 
 
 def check_pp_support(config: Config) -> None:
@@ -135,7 +131,7 @@ def check_pp_support(config: Config) -> None:
         arch = config.hf_config.architecture
         declared = sorted(pp_speculative_methods.get(resolve_architecture(arch), ()))
         raise ValueError(
-            f"speculative method {spec.canonical_method!r} is not supported under "
+            f"speculative method {spec.method!r} is not supported under "
             f"pipeline parallelism for {arch}: pp_speculative_methods declares "
             f"{declared or 'none'} for it"
         )

@@ -2,22 +2,14 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
 
-from atom.config import (
-    Config,
-    is_context_only_producer,
-    parse_partition,
-    validate_partition,
-)
+from atom.config import Config, is_context_only_producer, validate_partition
 from atom.distributed.parallel_state import get_pp_group
 from atom.models.registry import serves_pp_speculation
-
-PARTITION_ENV_VARS = ("ATOM_PP_LAYER_PARTITION", "VLLM_PP_LAYER_PARTITION")
 
 
 class PPMissingLayer(nn.Identity):
@@ -32,26 +24,18 @@ class PPMissingLayer(nn.Identity):
         return (value,) if self.return_tuple else value
 
 
-def _partition_override(partition: list[int] | None) -> list[int] | None:
-    if partition is not None:
-        return list(partition)
-    for var in PARTITION_ENV_VARS:
-        text = os.environ.get(var)
-        if text:
-            return parse_partition(text)
-    return None
-
-
 def get_pp_indices(
     num_layers: int, pp_rank: int, pp_size: int, partition: list[int] | None = None
 ) -> tuple[int, int]:
     """[start, end) of the layers stage `pp_rank` owns.
 
-    Remainder layers go to the stages just before the last, never to the last stage,
-    which also carries the norm, the LM head and the drafter.
+    `partition` is `Config.pp_layer_partition` (the user's or the environment's).
+    Without one, remainder layers go to the stages just before the last, never to the
+    last stage, which also carries the norm, the LM head and the drafter.
     """
-    parts = _partition_override(partition)
-    if parts is None:
+    if partition is not None:
+        parts = list(partition)
+    else:
         parts = [num_layers // pp_size] * pp_size
         for i in range(num_layers % pp_size):
             parts[pp_size - 2 - i] += 1

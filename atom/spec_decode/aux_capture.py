@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from atom.models.interfaces import TapLayer
 from atom.models.utils import PPMissingLayer
 from atom.utils.forward_context import get_forward_context
 
@@ -43,7 +44,7 @@ def tap_module(target_model: nn.Module, layer_id: int) -> nn.Module:
             f"tap {layer_id} is not resident here: its module is a PPMissingLayer "
             "(only resident taps may be hooked; others arrive through the relay)"
         )
-    if layer_id != EMBEDDING_TAP and not hasattr(module, "aux_hidden_state"):
+    if layer_id != EMBEDDING_TAP and not isinstance(module, TapLayer):
         raise TypeError(
             f"decoder layer {layer_id} ({type(module).__name__}) has no "
             "aux_hidden_state(output); it cannot serve as a DSpark tap"

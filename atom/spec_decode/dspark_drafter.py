@@ -19,6 +19,7 @@ from atom.config import Config
 from atom.distributed.parallel_state import get_pp_group, get_tp_group
 from atom.model_loader.loader import load_weights, parameter_bytes
 from atom.model_ops.sampling_metadata import SamplingMetadata
+from atom.models.interfaces import STATE_ROLLBACK_MODE
 from atom.models.registry import draft_architecture, get_draft_model_class
 from atom.models.utils import PPMissingLayer, language_model_of
 from atom.spec_decode.aux_capture import TapCapture, allocate_tap_buffers
@@ -29,9 +30,6 @@ from atom.spec_decode.markov_head import markov_decode
 from atom.spec_decode.pp_aux_relay import tap_is_resident
 
 logger = logging.getLogger(__name__)
-
-# How verified KDA state is rolled back (the cache engine's per-row snapshots).
-KDA_ROLLBACK_MODE = "per-row snapshots"
 
 
 def check_shared_embedding(draft: nn.Module, will_propose: bool = True) -> None:
@@ -156,7 +154,7 @@ class DSparkDrafter(Drafter):
             self.model.mask_token_id,
             self.model.config.markov_rank,
             sharing,
-            KDA_ROLLBACK_MODE,
+            STATE_ROLLBACK_MODE,
             self.own_parameter_bytes / 2**20,
             self.shared_parameter_bytes / 2**20,
         )

@@ -1,9 +1,9 @@
 """Speculative decoding counters and ATOM's cumulative `[MTP Stats` log line.
 
-Per verify step: T_eff drafts verified, a accepted. Acceptance rate = sum(a) /
-sum(T_eff); tokens per forward = 1 + sum(a) / steps = 1 + sum_k rho_k, where rho_k
-is the share of steps whose first k drafts were all accepted. With T_eff always T
-this is 1 + T * acceptance rate.
+Per verify step: n drafts verified (a sequence's `num_drafts`, at most T), a accepted.
+Acceptance rate = sum(a) / sum(n); tokens per forward = 1 + sum(a) / steps =
+1 + sum_k rho_k, where rho_k is the share of steps whose first k drafts were all
+accepted. With n always T this is 1 + T * acceptance rate.
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ from tokenizers import Tokenizer
 
 from atom.model_engine.batch import BatchOutput, ScheduledBatch
 from atom.model_engine.llm_engine import LLMEngine
+from atom.models.interfaces import RecurrentStateLayer
 from atom.models.tiny import resolve_model_path
 from atom.models.tiny.excerpt import held_out_verses
 from atom.models.tiny.tokenizer import TOKENIZER_FILE
@@ -166,7 +167,7 @@ def _kda_states(runner, slot: int, snapshot_row: int | None):
     verify snapshot after row `snapshot_row`)."""
     states = {}
     for name, module in runner.model.named_modules():
-        if not hasattr(module, "state_shapes"):
+        if not isinstance(module, RecurrentStateLayer):
             continue
         if snapshot_row is None:
             conv, ssm = module.conv_state[slot], module.ssm_state[slot]

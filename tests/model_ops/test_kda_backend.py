@@ -1,38 +1,53 @@
 import pytest
 import torch
 
+from atom.config import KDA_BACKEND_ENV_VAR, Config
 from atom.model_engine.batch import SeqWork
 from atom.model_engine.model_inputs import prepare_inputs
 from atom.model_ops.kda import chunk_kda, l2_normalize, recurrent_kda
 from atom.model_ops.kda_backend import (
-    BACKEND_ENV_VAR,
     TorchKDABackend,
     fla_available,
     select_kda_backend,
 )
+from atom.models.kimi_k3.kda import KimiDeltaAttention
+from atom.models.registry import get_model_class
 from atom.utils.forward_context import AttentionMetadata
 
 
-def test_cpu_gets_torch_backend(monkeypatch):
-    monkeypatch.delenv(BACKEND_ENV_VAR, raising=False)
+def test_cpu_gets_torch_backend():
     assert isinstance(select_kda_backend("cpu"), TorchKDABackend)
-    monkeypatch.setenv(BACKEND_ENV_VAR, "torch")
-    assert select_kda_backend(torch.device("cpu")).name == "torch"
+    assert select_kda_backend(torch.device("cpu"), "torch").name == "torch"
 
 
-def test_fla_request_on_cpu_is_an_error(monkeypatch):
-    monkeypatch.setenv(BACKEND_ENV_VAR, "fla")
+def test_fla_request_on_cpu_is_an_error():
     with pytest.raises(ValueError, match="CUDA"):
-        select_kda_backend("cpu")
+        select_kda_backend("cpu", "fla")
 
 
-def test_unknown_backend_names_allowed_values(monkeypatch):
-    monkeypatch.setenv(BACKEND_ENV_VAR, "triton")
-    with pytest.raises(ValueError, match="torch"):
-        select_kda_backend("cpu")
-    monkeypatch.delenv(BACKEND_ENV_VAR)
+def test_unknown_backend_names_allowed_values():
     with pytest.raises(ValueError, match="auto"):
         select_kda_backend("cpu", choice="cuda")
+
+
+def test_config_resolves_the_backend_from_the_environment(monkeypatch):
+    monkeypatch.delenv(KDA_BACKEND_ENV_VAR, raising=False)
+    assert Config(model="tiny-kimi-linear").kda_backend == "auto"
+    monkeypatch.setenv(KDA_BACKEND_ENV_VAR, "Torch")
+    config = Config(model="tiny-kimi-linear")
+    assert config.kda_backend == "torch"
+    assert "KDA backend torch" in config.describe_settings()
+    assert Config(model="tiny-kimi-linear", kda_backend="fla").kda_backend == "fla"
+    monkeypatch.setenv(KDA_BACKEND_ENV_VAR, "triton")
+    with pytest.raises(ValueError, match=f"{KDA_BACKEND_ENV_VAR}.*'triton'.*torch"):
+        Config(model="tiny-kimi-linear")
+
+
+def test_every_kda_layer_gets_the_configured_backend():
+    config = Config(model="tiny-kimi-linear", kda_backend="torch")
+    model = get_model_class(config.hf_config.architecture)(config)
+    layers = [m for m in model.modules() if isinstance(m, KimiDeltaAttention)]
+    assert layers and {layer.backend_choice for layer in layers} == {"torch"}
 
 
 def uniform_metadata(num_seqs: int, rows: int, device: str) -> AttentionMetadata:

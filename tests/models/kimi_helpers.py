@@ -3,6 +3,8 @@ run rows, transformers oracles, PP embedding placements."""
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import nn
 
@@ -26,6 +28,9 @@ EMBEDDING_PLACEMENTS = [
     (1, 2, "dspark", "kv_producer", False),  # a producer proposes nothing
     (1, 3, "dspark", "none", False),  # middle stage
     (0, 2, None, "none", True),  # first stage
+    (0, 2, "dspark", "none", True),  # the first stage embeds for the target
+    (0, 2, "dspark", "kv_producer", True),  # ... on a producer too
+    (0, 3, "dspark", "kv_producer", True),
 ]
 
 
@@ -55,7 +60,7 @@ def work(
     token_ids: list[int],
     context_len: int = 0,
     slot: int = 0,
-    num_spec_tokens: int = 0,
+    num_drafts: int = 0,
     first_block: int = 0,
     num_blocks: int = 16,
 ) -> SeqWork:
@@ -66,7 +71,7 @@ def work(
         context_len=context_len,
         block_table=list(range(first_block, first_block + num_blocks)),
         state_slot=slot,
-        num_spec_tokens=num_spec_tokens,
+        num_drafts=num_drafts,
     )
 
 
@@ -87,6 +92,13 @@ def logits_of(model: nn.Module, works: list[SeqWork]) -> torch.Tensor:
     return model.compute_logits(forward_rows(model, works))
 
 
+def cache_name(reference: nn.Module) -> str:
+    """The name of a transformers model's cache, as argument and output field: 5.25
+    renamed `past_key_values` to `cache`; the project allows versions on either side."""
+    parameters = inspect.signature(reference.forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
+
+
 @torch.no_grad()
 def assert_greedy_decode_matches(
     reference: nn.Module,
@@ -99,8 +111,9 @@ def assert_greedy_decode_matches(
     transformers `reference` through its own cache and atom's `model` through freshly
     bound caches: logits agree within `tol` at every step, and so do the tokens."""
     bind_caches(model)
+    name = cache_name(reference)
     out = reference(torch.tensor([prompt]), use_cache=True)
-    cache, ref_logits = out.cache, out.logits[0, -1]
+    cache, ref_logits = out[name], out.logits[0, -1]
     atom_logits = logits_of(model, [work(prompt)])[-1]
     ref_tokens, atom_tokens = [], []
     for step in range(new_tokens):
@@ -110,8 +123,8 @@ def assert_greedy_decode_matches(
         if atom_tokens != ref_tokens:
             break
         token = ref_tokens[-1]
-        out = reference(torch.tensor([[token]]), cache=cache, use_cache=True)
-        cache, ref_logits = out.cache, out.logits[0, -1]
+        out = reference(torch.tensor([[token]]), use_cache=True, **{name: cache})
+        cache, ref_logits = out[name], out.logits[0, -1]
         atom_logits = logits_of(model, [work([token], len(prompt) + step)])[0]
     assert atom_tokens == ref_tokens
     assert len(atom_tokens) == new_tokens

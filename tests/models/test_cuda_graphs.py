@@ -17,7 +17,7 @@ from atom import LLMEngine, SamplingParams
 from atom.config import Config
 from atom.model_engine.model_runner import ModelRunner
 from tests.models.kimi_helpers import work
-from tests.spec.spec_helpers import runner_of
+from tests.spec_decode.spec_helpers import runner_of
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -27,13 +27,13 @@ BLOCKS_PER_SEQ = 8
 TOLERANCE = {"float32": 1e-4, "bfloat16": 5e-2}
 
 
-def build_runner(dtype: str, num_spec: int) -> ModelRunner:
+def build_runner(dtype: str, num_drafts: int) -> ModelRunner:
     spec = {}
-    if num_spec:
+    if num_drafts:
         spec = dict(
             method="dspark",
             draft_model="tiny-kimi-k3-dspark",
-            num_speculative_tokens=num_spec,
+            num_speculative_tokens=num_drafts,
         )
     config = Config(
         model="tiny-kimi-k3",
@@ -73,14 +73,14 @@ def restore(runner: ModelRunner, saved: list[torch.Tensor]) -> None:
         view.copy_(value)
 
 
-def decode_step(prompts: list[list[int]], num_spec: int) -> list:
-    """The step after each prompt's prefill: its next token and num_spec drafts."""
+def decode_step(prompts: list[list[int]], num_drafts: int) -> list:
+    """The step after each prompt's prefill: its next token and num_drafts drafts."""
     return [
         work(
-            [7 + i + j for j in range(num_spec + 1)],
+            [7 + i + j for j in range(num_drafts + 1)],
             len(prompt),
             slot=i,
-            num_spec_tokens=num_spec,
+            num_drafts=num_drafts,
             first_block=BLOCKS_PER_SEQ * i,
             num_blocks=BLOCKS_PER_SEQ,
         )
@@ -95,21 +95,21 @@ def runners():
     (fresh recurrent states, every cache row it reads written by that prefill)."""
     built: dict[tuple[str, int], ModelRunner] = {}
 
-    def get(dtype: str, num_spec: int) -> ModelRunner:
-        if (dtype, num_spec) not in built:
-            built[dtype, num_spec] = build_runner(dtype, num_spec)
-        return built[dtype, num_spec]
+    def get(dtype: str, num_drafts: int) -> ModelRunner:
+        if (dtype, num_drafts) not in built:
+            built[dtype, num_drafts] = build_runner(dtype, num_drafts)
+        return built[dtype, num_drafts]
 
     yield get
     built.clear()
     torch.cuda.empty_cache()
 
 
-@pytest.mark.parametrize("num_spec", [0, 3], ids=["1-row", "verify-4-rows"])
+@pytest.mark.parametrize("num_drafts", [0, 3], ids=["1-row", "verify-4-rows"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("num_seqs", [1, 3, 6])
-def test_graph_decode_equals_eager_decode(runners, num_seqs, dtype, num_spec):
-    runner = runners(dtype, num_spec)
+def test_graph_decode_equals_eager_decode(runners, num_seqs, dtype, num_drafts):
+    runner = runners(dtype, num_drafts)
     assert runner.graphs is not None, "the tiny K3 must capture on CUDA"
     tol = TOLERANCE[dtype]
     gen = torch.Generator().manual_seed(num_seqs)
@@ -127,9 +127,9 @@ def test_graph_decode_equals_eager_decode(runners, num_seqs, dtype, num_spec):
             ],
             None,
         )
-        step = decode_step(prompts, num_spec)
+        step = decode_step(prompts, num_drafts)
         key = runner.graphs.size_for(step)
-        assert key == (next(s for s in (1, 2, 4, 8) if s >= num_seqs), num_spec + 1)
+        assert key == (next(s for s in (1, 2, 4, 8) if s >= num_seqs), num_drafts + 1)
         before = snapshot(runner)
         graph_out, _, _ = runner._forward(step, None)
         graph_logits = runner.model.compute_logits(graph_out).float()
@@ -140,7 +140,7 @@ def test_graph_decode_equals_eager_decode(runners, num_seqs, dtype, num_spec):
         runner.graphs = graphs
         eager_logits = runner.model.compute_logits(eager_out).float()
         eager_caches = snapshot(runner)
-    assert graph_logits.shape[0] == num_seqs * (num_spec + 1)
+    assert graph_logits.shape[0] == num_seqs * (num_drafts + 1)
     torch.testing.assert_close(graph_logits, eager_logits, atol=tol, rtol=tol)
     written = 0
     for graph_rows, eager_rows, old_rows in zip(graph_caches, eager_caches, before):

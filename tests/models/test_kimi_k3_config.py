@@ -3,6 +3,7 @@
 import copy
 
 import pytest
+import torch
 
 from atom.config import Config
 from atom.distributed.parallel_state import build_parallel_state
@@ -123,7 +124,10 @@ def test_tensor_parallel_shard_shapes():
     assert tuple(kda.q_conv1d.weight.shape) == (64, 1, 4)
     assert tuple(kda.A_log.shape) == (2,) and tuple(kda.b_proj.weight.shape) == (2, 128)
     assert tuple(kda.f_a_proj.weight.shape) == (32, 128)  # replicated
-    assert kda.state_shapes() == ((192, 3), (2, 32, 32))
+    assert [(t.name, t.shape, t.dtype) for t in kda.state_spec()] == [
+        ("conv", (192, 3), None),
+        ("ssm", (2, 32, 32), torch.float32),
+    ]
     assert tuple(kda.o_proj.weight.shape) == (128, 64)
     assert tuple(mla.q_a_proj.weight.shape) == (64, 128)  # replicated
     assert tuple(mla.q_b_proj.weight.shape) == (96, 64)

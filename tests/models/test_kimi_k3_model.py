@@ -135,7 +135,7 @@ def test_verify_snapshots_then_commit_equal_sequential(k3, num_rows):
         (m.conv_state[1].clone(), m.ssm_state[1].clone()) for m in cache.state_layers
     ]
 
-    verified = logits_of(model, [work(verify_rows, 10, slot=0, num_spec_tokens=3)])
+    verified = logits_of(model, [work(verify_rows, 10, slot=0, num_drafts=3)])
     torch.testing.assert_close(verified, golden(PROMPT[:14])[0][10:], **TOL)
     for layer, (conv, ssm) in zip(cache.state_layers, untouched):
         # Only the verified slot moves: to the state after its last row, with every
@@ -296,16 +296,16 @@ def test_tiny_kimi_linear_matches_golden():
     torch.testing.assert_close(logits_of(model, [work(PROMPT)]), expected, **TOL)
 
 
-@pytest.mark.parametrize("num_spec", [0, 3])
-def test_graph_padded_decode_batch_equals_the_batch_alone(k3, num_spec):
+@pytest.mark.parametrize("num_drafts", [0, 3])
+def test_graph_padded_decode_batch_equals_the_batch_alone(k3, num_drafts):
     """The dummy sequences that pad a captured graph's batch change nothing real:
     real rows, KV and states match the unpadded batch, and the dummies touch only
     the scratch block and slot."""
     model, golden = k3
     prompts = [PROMPT[:10], OTHER[:12]]
-    rows = [PROMPT[10 : 11 + num_spec], OTHER[12 : 13 + num_spec]]
+    rows = [PROMPT[10 : 11 + num_drafts], OTHER[12 : 13 + num_drafts]]
     decode = [
-        work(rows[i], len(prompts[i]), slot=i, num_spec_tokens=num_spec,
+        work(rows[i], len(prompts[i]), slot=i, num_drafts=num_drafts,
              first_block=16 * i)
         for i in range(2)
     ]  # fmt: skip
@@ -334,7 +334,7 @@ def test_graph_padded_decode_batch_equals_the_batch_alone(k3, num_spec):
             )
         )
     (logits, kv, states), (padded_logits, padded_kv, padded_states) = results
-    assert metadata.num_seqs == 5 and metadata.query_len == 1 + num_spec
+    assert metadata.num_seqs == 5 and metadata.query_len == 1 + num_drafts
     torch.testing.assert_close(padded_logits, logits, **TOL)
     for a, b in zip(kv + states, padded_kv + padded_states):
         torch.testing.assert_close(a, b, **TOL)

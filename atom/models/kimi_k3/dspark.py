@@ -25,7 +25,7 @@ from atom.model_ops.linear import (
     RowParallelLinear,
     divide,
 )
-from atom.model_ops.paged_mla import gather_kv, latent_attention, write_kv
+from atom.model_ops.paged_mla import latent_attention, write_kv
 from atom.model_ops.rotary_embedding import RotaryEmbedding
 from atom.models.dspark_base import DraftAttention, DSparkDraft, DSparkLayer
 from atom.models.kimi_k3.dspark_config import DSparkDraftConfig
@@ -95,7 +95,6 @@ class DSparkAttention(DraftAttention):
         Sequence b attends to its cached rows 0..context_lens[b]-1 plus all T block
         rows, without a causal mask inside the block. Block KV stays transient.
         """
-        cache = self.cache()
         num_seqs = context_lens.shape[0]
         width = x.shape[0] // num_seqs
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
@@ -103,12 +102,9 @@ class DSparkAttention(DraftAttention):
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
         q_pe = self.rotary(positions, q_pe.reshape(x.shape[0], self.heads, -1))
         # Rounded through the cache dtype, as if written to the cache and read back.
-        block_rows = self.latent_rows(x, positions).to(cache.dtype)
-        context = gather_kv(cache, block_tables)
-        keys = torch.cat([context, block_rows.view(num_seqs, width, -1)], dim=1)
-        key_index = torch.arange(keys.shape[1], device=x.device)
-        visible = (key_index < context_lens.unsqueeze(1)) | (
-            key_index >= context.shape[1]
+        block_rows = self.latent_rows(x, positions).to(self.cache().dtype)
+        keys, visible = self.block_keys(
+            block_rows.view(num_seqs, width, -1), block_tables, context_lens
         )
         o = latent_attention(
             q_nope,
@@ -117,7 +113,7 @@ class DSparkAttention(DraftAttention):
             self.kv_b_proj.weight,
             self.v_dim,
             self.scale,
-            visible.unsqueeze(1).expand(-1, width, -1),
+            visible,
         )
         o = o.reshape(x.shape[0], self.heads * self.v_dim)
         return self.o_proj(o.to(x.dtype))

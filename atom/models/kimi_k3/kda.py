@@ -27,6 +27,7 @@ from atom.model_ops.linear import (
     check_shape,
     shard_of,
 )
+from atom.models.interfaces import StateTensor
 from atom.models.kimi_k3.config import KimiTextConfig
 from atom.utils.forward_context import require_metadata
 
@@ -54,7 +55,9 @@ class ConvWeight(nn.Module):
 
 
 class KimiDeltaAttention(nn.Module):
-    def __init__(self, config: KimiTextConfig, prefix: str = "") -> None:
+    def __init__(
+        self, config: KimiTextConfig, prefix: str = "", backend: str = "auto"
+    ) -> None:
         super().__init__()
         tp = get_tp_group()
         self.tp_rank, self.tp_size = tp.rank_in_group, tp.world_size
@@ -90,18 +93,34 @@ class KimiDeltaAttention(nn.Module):
         self.dt_bias = fp32_channel_sharded(self.local_width)
         self.o_norm = RMSNorm(dim, eps=self.eps).float()
         self.o_proj = RowParallelLinear(width, hidden)
+        # `Config.kda_backend`; resolved on the first forward, which knows the device.
+        self.backend_choice = backend
         self._backend: KDABackend | None = None
-        # Bound by the CacheEngine.
+        # A `RecurrentStateLayer` (models/interfaces.py); see `bind_states`.
         self.conv_state: torch.Tensor | None = None
         self.ssm_state: torch.Tensor | None = None
         self.conv_snapshots: torch.Tensor | None = None
         self.ssm_snapshots: torch.Tensor | None = None
 
-    def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """Per-slot (conv [3P/tp, K-1] model dtype, recurrent [h/tp, Dv, Dk] fp32)."""
-        conv = (3 * self.local_width, self.kernel_size - 1)
-        ssm = (self.heads, self.head_dim, self.head_dim)
-        return conv, ssm
+    def state_spec(self) -> tuple[StateTensor, ...]:
+        """Per slot: the conv inputs [3P/tp, K-1] in the model dtype and the
+        recurrent state [h/tp, Dv, Dk] in fp32 (the recurrence accumulates there)."""
+        return (
+            StateTensor("conv", (3 * self.local_width, self.kernel_size - 1)),
+            StateTensor(
+                "ssm", (self.heads, self.head_dim, self.head_dim), torch.float32
+            ),
+        )
+
+    def bind_states(
+        self,
+        states: dict[str, torch.Tensor],
+        snapshots: dict[str, torch.Tensor] | None,
+    ) -> None:
+        self.conv_state, self.ssm_state = states["conv"], states["ssm"]
+        # Rebinding replaces everything, so no buffer of an older engine lingers.
+        self.conv_snapshots = snapshots["conv"] if snapshots else None
+        self.ssm_snapshots = snapshots["ssm"] if snapshots else None
 
     def _load_a_log(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         # Checkpoints store [n] or legacy [1, 1, n, 1], with n >= heads (K3: 128 for
@@ -135,7 +154,7 @@ class KimiDeltaAttention(nn.Module):
         metadata = require_metadata(f"KDA layer {self.prefix!r}")
         self._require_cache()
         if self._backend is None:
-            self._backend = select_kda_backend(x.device)
+            self._backend = select_kda_backend(x.device, self.backend_choice)
         tokens = x.shape[0]
         mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         low_rank = self.f_b_proj(self.f_a_proj(x))
@@ -209,7 +228,7 @@ class KimiDeltaAttention(nn.Module):
         if self.ssm_snapshots is None or self.conv_snapshots is None:
             raise RuntimeError(
                 f"KDA layer {self.prefix!r} verifies drafts but no snapshot "
-                "buffers are bound (CacheEngine num_spec_rows=0)"
+                "buffers are bound (CacheEngine num_verify_rows=0)"
             )
         if rows > self.ssm_snapshots.shape[1]:
             raise RuntimeError(

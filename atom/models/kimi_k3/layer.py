@@ -27,13 +27,19 @@ LayerOutput = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 
 class KimiDecoderLayer(nn.Module):
     def __init__(
-        self, config: KimiTextConfig, layer_idx: int, prefix: str = ""
+        self,
+        config: KimiTextConfig,
+        layer_idx: int,
+        prefix: str = "",
+        kda_backend: str = "auto",
     ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         hidden, eps = config.hidden_size, config.rms_norm_eps
         if config.is_kda_layer(layer_idx):
-            self.self_attn = KimiDeltaAttention(config, f"{prefix}.self_attn")
+            self.self_attn = KimiDeltaAttention(
+                config, f"{prefix}.self_attn", kda_backend
+            )
         else:
             self.self_attn = KimiMLAttention(config, f"{prefix}.self_attn")
         if config.is_moe_layer(layer_idx):

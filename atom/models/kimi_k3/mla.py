@@ -17,12 +17,8 @@ from atom.model_ops.linear import (
     ReplicatedLinear,
     RowParallelLinear,
 )
-from atom.model_ops.paged_mla import (
-    causal_visibility,
-    gather_kv,
-    latent_attention,
-    write_kv,
-)
+from atom.model_ops.paged_mla import gather_kv, latent_attention, write_kv
+from atom.model_ops.visibility import causal_visibility
 from atom.models.kimi_k3.config import KimiTextConfig
 from atom.utils.forward_context import require_metadata
 
@@ -56,9 +52,13 @@ class KimiMLAttention(nn.Module):
         if self.use_output_gate:
             self.g_proj = ColumnParallelLinear(hidden, heads * self.v_dim)
         self.o_proj = RowParallelLinear(heads * self.v_dim, hidden)
-        # The CacheEngine binds `kv_cache` [num_blocks, block_size, kv_cache_dim].
+        # A `PagedKVLayer` (models/interfaces.py): one latent row per token.
         self.kv_cache_dim = config.kv_latent_dim
+        self.kv_cache_dtype: torch.dtype | None = None
         self.kv_cache: torch.Tensor | None = None
+
+    def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
+        self.kv_cache = kv_cache
 
     def _queries(self, x: torch.Tensor) -> torch.Tensor:
         if self.q_lora_rank:

@@ -8,6 +8,8 @@ stage may hold an embedding copy for the DSpark drafter that the target never ru
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import nn
 
@@ -53,7 +55,8 @@ class KimiLinearModel(PipelineTextStack):
         super().__init__()
         text = text_config_of(config)
         self.attn_res = text.uses_attn_res
-        self.build_stage(config, text, KimiDecoderLayer, prefix)
+        layer_class = partial(KimiDecoderLayer, kda_backend=config.kda_backend)
+        self.build_stage(config, text, layer_class, prefix)
         quantization = config.hf_config.text.get("quantization_config")
         declare_mxfp4_experts(self, quantization, prefix)
         last = get_pp_group().is_last_rank

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from atom.models.kimi_k3.config_fields import DENSE, KDA, MLA, MOE
+from atom.utils.arithmetic import ceil_div
 
 
 class Attention(Enum):
@@ -47,10 +48,6 @@ class LayerPlan:
         return self.ffn is FFN.MOE
 
 
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 @dataclass(frozen=True)
 class KimiLayerPlan:
     layers: tuple[LayerPlan, ...]
@@ -77,7 +74,7 @@ class KimiLayerPlan:
                 attention=Attention(kind),
                 ffn=FFN(ffn_kind),
                 opens_block=bs is not None and i % bs == 0,
-                blocks_before=0 if bs is None else _ceil_div(i, bs),
+                blocks_before=0 if bs is None else ceil_div(i, bs),
             )
             for i, (kind, ffn_kind) in enumerate(zip(attention, ffn))
         )
@@ -114,4 +111,4 @@ class KimiLayerPlan:
         if not 0 <= layer <= self.num_layers:
             raise ValueError(f"layer {layer} outside [0, {self.num_layers}]")
         bs = self.attn_res_block_size
-        return 0 if bs is None else _ceil_div(layer, bs)
+        return 0 if bs is None else ceil_div(layer, bs)

@@ -16,9 +16,10 @@ from torch import nn
 from atom.model_ops.block_sparse import block_sparse_visibility
 from atom.model_ops.layernorm import GemmaRMSNorm
 from atom.model_ops.linear import HeadParallelLinear, RowParallelLinear
-from atom.model_ops.paged_attention import gqa_attention, sequence_visibility
+from atom.model_ops.paged_attention import gqa_attention
 from atom.model_ops.paged_mla import gather_kv, write_kv
 from atom.model_ops.rotary_embedding import RotaryEmbedding
+from atom.model_ops.visibility import sequence_visibility
 from atom.models.minimax_m3.config import MiniMaxM3TextConfig
 from atom.utils.forward_context import require_metadata
 
@@ -76,11 +77,15 @@ class MiniMaxM3Attention(nn.Module):
         self.rotary = PartialRotary(config.rotary_dim, config.rope_theta)
         # Rows follow q's heads, which the config guarantees split evenly over TP.
         self.o_proj = RowParallelLinear(heads * head_dim, hidden)
-        # The CacheEngine binds `kv_cache` [num_blocks, block_size, kv_cache_dim].
+        # A `PagedKVLayer` (models/interfaces.py): rows [k | v | index key].
         self.kv_width = self.num_kv_heads * head_dim
         index_width = self.indexer.head_dim if self.indexer is not None else 0
         self.kv_cache_dim = 2 * self.kv_width + index_width
+        self.kv_cache_dtype: torch.dtype | None = None
         self.kv_cache: torch.Tensor | None = None
+
+    def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
+        self.kv_cache = kv_cache
 
     def _cache_rows(
         self, positions: torch.Tensor, x: torch.Tensor

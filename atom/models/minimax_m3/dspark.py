@@ -32,7 +32,7 @@ from atom.model_ops.linear import (
     RowParallelLinear,
 )
 from atom.model_ops.paged_attention import gqa_attention
-from atom.model_ops.paged_mla import gather_kv, write_kv
+from atom.model_ops.paged_mla import write_kv
 from atom.model_ops.rotary_embedding import RotaryEmbedding
 from atom.models.dspark_base import DraftAttention, DSparkDraft, DSparkLayer
 from atom.models.minimax_m3.dspark_config import Qwen3DSparkConfig
@@ -92,27 +92,19 @@ class Qwen3DSparkAttention(DraftAttention):
 
         Block KV stays transient: it is attended to, never written.
         """
-        cache = self.cache()
         num_seqs = context_lens.shape[0]
         width = x.shape[0] // num_seqs
         q, block_rows = self._qkv(x, positions)
         # Rounded through the cache dtype, as if written to the cache and read back.
-        block_rows = block_rows.to(cache.dtype).view(num_seqs, width, -1)
-        context = gather_kv(cache, block_tables)
-        keys = torch.cat([context, block_rows], dim=1)
-        context_index = torch.arange(context.shape[1], device=x.device)
-        seen = context_index < context_lens.view(-1, 1, 1)
-        if self.window is not None:
-            first = positions.view(num_seqs, width, 1) - (self.window - 1)
-            seen = seen & (context_index >= first)
-        block = seen.new_ones(num_seqs, width, width)
-        visible = torch.cat([seen.expand(-1, width, -1), block], dim=-1).unsqueeze(1)
+        block_rows = block_rows.to(self.cache().dtype).view(num_seqs, width, -1)
+        window = None if self.window is None else (self.window, positions)
+        keys, visible = self.block_keys(block_rows, block_tables, context_lens, window)
         k, v = keys.split([self.kv_cache_dim // 2] * 2, dim=-1)
         o = gqa_attention(
             q.view(num_seqs, width, self.num_heads, self.head_dim),
             k.unflatten(-1, (self.num_kv_heads, self.head_dim)),
             v.unflatten(-1, (self.num_kv_heads, self.head_dim)),
-            visible,
+            visible.unsqueeze(1),
             self.scale,
         )
         o = o.reshape(x.shape[0], self.num_heads * self.head_dim)

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from atom import SamplingParams
 from atom.models.tiny import resolve_model_path
-from tests.spec.spec_helpers import (
+from tests.spec_decode.spec_helpers import (
     PAIRS,
     force_drafts,
     random_tokens,
@@ -67,7 +67,7 @@ def test_forced_counts_follow_the_general_formulas():
     for prompt, out, sequence in zip(prompts, outputs, sequences):
         assert out["token_ids"] == sequence[len(prompt) : len(prompt) + MAX_TOKENS]
     steps = len(prompts) * STEPS_PER_REQUEST
-    # T_eff = min(T, remaining - 1): T until the last step, which has 4 tokens left.
+    # num_drafts = min(T, remaining - 1): T until the last step, which has 4 tokens left.
     drafted = len(prompts) * (T * (STEPS_PER_REQUEST - 1) + RIGHT)
     accepted = steps * RIGHT
     assert stats["num_verify_steps"] == steps
@@ -106,7 +106,7 @@ def test_natural_run_satisfies_the_identities():
     assert sum(rho) == pytest.approx(stats["avg_tokens_per_forward"] - 1)
     assert sum(stats["distribution"].values()) == pytest.approx(1.0)
     # Every output token came from a prefill, a verify step (a + 1 each), or a
-    # plain decode step once a single token was left (T_eff = 0); no EOS here.
+    # plain decode step once a single token was left (num_drafts = 0); no EOS here.
     emitted = sum(len(out["token_ids"]) for out in outputs)
     plain_steps = emitted - len(prompts) - steps - accepted
     assert 0 <= plain_steps <= len(prompts)

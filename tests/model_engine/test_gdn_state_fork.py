@@ -118,7 +118,7 @@ def test_verify_commits_only_the_accepted_rows_on_every_stage(setup):
         for out in engine.step():
             final = out.output_token_ids if out.finished else final
         batch, output = recorder.batches[-1], recorder.outputs[-1]
-        verifies = any(work.num_spec_tokens for work in batch.work)
+        verifies = any(work.num_drafts for work in batch.work)
         if not verifies or output.batch_id != batch.batch_id:
             continue
         (work,) = batch.work
@@ -126,7 +126,7 @@ def test_verify_commits_only_the_accepted_rows_on_every_stage(setup):
         # Snapshot `accepted` is the state after rows [last, d1..d_accepted], the
         # one the next batch commits: the state after every token but the bonus.
         per_rank = engine.workers.call(kda_states(work.state_slot, accepted))
-        partial = 0 < accepted < work.num_spec_tokens
+        partial = 0 < accepted < work.num_drafts
         checked.append((partial, work.context_len + 1 + accepted, per_rank))
     # The end-to-end proof: pp2 with drafts and rejections equals cold pp1.
     assert final == cold_ids[2]

@@ -16,7 +16,7 @@ import torch
 
 from atom import SamplingParams
 from atom.model_ops.embed_head import VocabParallelEmbedding
-from tests.spec.spec_helpers import (
+from tests.spec_decode.spec_helpers import (
     corpus_tokens,
     runner_of,
     spec_engine,

@@ -24,7 +24,7 @@ from atom.models.tiny import resolve_model_path
 from atom.models.tiny.configs import TOKEN_IDS
 from atom.models.utils import PPMissingLayer, language_model_of
 from tests.models.kimi_helpers import target_of
-from tests.spec.spec_helpers import loaded_drafter
+from tests.spec_decode.spec_helpers import loaded_drafter
 
 TARGET, DRAFT, NO_EMBED = (
     "tiny-minimax-m3",

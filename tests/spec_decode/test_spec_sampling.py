@@ -26,7 +26,7 @@ from atom.model_engine.cache_engine import CacheEngine
 from atom.model_engine.model_inputs import prepare_inputs
 from atom.model_ops.sampler import probs_for
 from atom.utils.forward_context import ForwardContext, set_forward_context
-from tests.spec.spec_helpers import (
+from tests.spec_decode.spec_helpers import (
     BLOCK_SIZE,
     spec_engine,
 )

@@ -11,7 +11,7 @@ from atom.model_ops.rejection_sampler import verify_drafts
 from atom.model_ops.sampler import sample_tokens
 from atom.model_ops.sampling_metadata import SamplingMetadata
 from atom.spec_decode.draft_output import DraftOutput
-from tests.spec.spec_helpers import ENGINE_SETTINGS, spec_engine
+from tests.spec_decode.spec_helpers import ENGINE_SETTINGS, spec_engine
 
 VOCAB = 40
 
@@ -24,7 +24,7 @@ def work(seq_id, token_ids, context_len, sample=True, drafts=0, temperature=0.8)
         block_table=list(range(seq_id, seq_id + 1 + context_len // 16)),
         state_slot=seq_id,
         sample=sample,
-        num_spec_tokens=drafts,
+        num_drafts=drafts,
         temperature=temperature,
         top_k=-1,
         top_p=1.0,

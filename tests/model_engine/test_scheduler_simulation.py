@@ -44,13 +44,13 @@ def reference(prompt: list[int], params: SamplingParams, max_model_len: int):
 
 
 class ToyRunner:
-    def __init__(self, sched: Scheduler, num_spec: int, seed: int) -> None:
+    def __init__(self, sched: Scheduler, num_drafts: int, seed: int) -> None:
         self.kv: list[int | None] = [None] * (
             sched.block_manager.num_total_blocks * BLOCK
         )
         self.state: list[tuple[int, ...] | None] = [None] * sched.limits.num_state_slots
         self.snapshots: dict[int, list[tuple[int, ...]]] = {}
-        self.num_spec = num_spec
+        self.num_drafts = num_drafts
         self.hybrid = sched.has_recurrent_state
         self.rng = random.Random(seed)
         self.num_forks = 0
@@ -83,13 +83,13 @@ class ToyRunner:
                 row_states.append(state)
                 targets.append(next_token(prefix))
             self.state[work.state_slot] = state
-            if work.num_spec_tokens:
+            if work.num_drafts:
                 self.snapshots[work.state_slot] = row_states
             if not work.sample:
                 continue
-            base = len(work.token_ids) - 1 - work.num_spec_tokens
+            base = len(work.token_ids) - 1 - work.num_drafts
             a = 0
-            while a < work.num_spec_tokens and (
+            while a < work.num_drafts and (
                 work.token_ids[base + 1 + a] == targets[base + a]
             ):
                 a += 1
@@ -105,14 +105,14 @@ class ToyRunner:
         return BatchOutput(batch.batch_id, choices)
 
     def _propose(self, committed: tuple[int, ...], block_table: list[int]):
-        if not self.num_spec:
+        if not self.num_drafts:
             return []
         # The drafter's block rows start at the anchor: their slots must exist.
         anchor_pos = len(committed) - 1
-        for pos in range(anchor_pos, anchor_pos + self.num_spec):
+        for pos in range(anchor_pos, anchor_pos + self.num_drafts):
             self._slot(block_table, pos)
         drafts, prefix = [], committed
-        for _ in range(self.num_spec):
+        for _ in range(self.num_drafts):
             token = next_token(prefix)
             if self.rng.random() < 0.3:
                 token = (token + 1) % VOCAB
@@ -157,7 +157,7 @@ def simulate(sched: Scheduler, runner: ToyRunner, requests, depth: int):
 
 
 @pytest.mark.parametrize(
-    "num_spec, hybrid, depth, num_blocks",
+    "num_drafts, hybrid, depth, num_blocks",
     [
         (0, False, 1, 64),
         (0, False, 2, 16),
@@ -167,18 +167,18 @@ def simulate(sched: Scheduler, runner: ToyRunner, requests, depth: int):
         (2, True, 2, 16),
     ],
 )
-def test_generation_matches_greedy_reference(num_spec, hybrid, depth, num_blocks):
+def test_generation_matches_greedy_reference(num_drafts, hybrid, depth, num_blocks):
     max_model_len = 40
     limits = EngineLimits(
         max_num_seqs=4,
         max_num_batched_tokens=16,
         max_model_len=max_model_len,
         block_size=BLOCK,
-        num_speculative_tokens=num_spec,
+        num_speculative_tokens=num_drafts,
         num_state_checkpoints=3,
     )
     sched = Scheduler(limits, num_blocks, has_recurrent_state=hybrid, eos_token_id=EOS)
-    runner = ToyRunner(sched, num_spec, seed=num_blocks + depth)
+    runner = ToyRunner(sched, num_drafts, seed=num_blocks + depth)
     requests = make_requests(seed=7)
     simulate(sched, runner, requests, depth)
     for _, seq in requests:
@@ -194,6 +194,6 @@ def test_generation_matches_greedy_reference(num_spec, hybrid, depth, num_blocks
         assert stats["preemptions"] > 0
     if hybrid:
         assert runner.num_forks > 0
-    if num_spec:
+    if num_drafts:
         spec = sched.spec_stats
         assert 0 < spec.total_accepted_tokens < spec.total_draft_tokens

@@ -22,7 +22,7 @@ from atom.models.utils import IntermediateTensors
 from atom.spec_decode.dspark_drafter import DSparkDrafter
 from atom.spec_decode.pp_aux_relay import AUX_KEY, PPAuxRelay
 from atom.utils.forward_context import ForwardContext, set_forward_context
-from tests.spec.spec_helpers import propose_on_host
+from tests.spec_decode.spec_helpers import propose_on_host
 
 PROMPT = [5, 77, 301, 9, 640, 12, 999, 58, 410, 3]
 TABLE, BLOCK_SIZE, T = list(range(8)), 4, 3

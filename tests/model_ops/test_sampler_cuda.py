@@ -84,7 +84,7 @@ def test_a_step_copies_to_the_host_once():
             context_len=20,
             block_table=[s],
             state_slot=s,
-            num_spec_tokens=s % 3,
+            num_drafts=s % 3,
             temperature=SETTINGS["temperatures"][s],
             top_k=SETTINGS["top_ks"][s],
             top_p=SETTINGS["top_ps"][s],

@@ -14,7 +14,7 @@ def seq(seq_id, tokens, context_len, blocks, slot, spec=0):
         context_len=context_len,
         block_table=blocks,
         state_slot=slot,
-        num_spec_tokens=spec,
+        num_drafts=spec,
     )
 
 
@@ -56,7 +56,7 @@ def test_ragged_rows_pad_and_unpad():
     "bad, message",
     [
         (seq(1, [1, 2], 7, [0, 1], 0), "position 8 needs block 2"),
-        (seq(1, [1, 2], 0, [0], 0, spec=2), "num_spec_tokens=2 with 2 rows"),
+        (seq(1, [1, 2], 0, [0], 0, spec=2), "num_drafts=2 with 2 rows"),
         (seq(1, [], 0, [0], 0), "no rows"),
     ],
 )

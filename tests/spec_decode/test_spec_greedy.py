@@ -16,7 +16,7 @@ import random
 import pytest
 
 from atom import SamplingParams
-from tests.spec.spec_helpers import (
+from tests.spec_decode.spec_helpers import (
     BLOCK_SIZE,
     EOS,
     PAIRS,
@@ -33,7 +33,7 @@ pytestmark = pytest.mark.usefixtures("single_thread_torch")
 EOS_INDEX = 10
 EOS_FIRST = 6  # eos comes as token 6 or later of this prompt's continuation
 SHARED = [0, 3, 5, 9]  # prompts starting with the shared prefix
-# Mostly not 1 + k(T + 1): the last verify of a request is clipped to T_eff < T.
+# Mostly not 1 + k(T + 1): the last verify of a request is clipped to num_drafts < T.
 MAX_TOKENS = [9, 12, 17, 5, 13, 20, 8, 14, 11, 10, 24, 6]
 # Floors at T = 7 on this batch (a third of it random tokens), far below what the
 # distilled drafts reach (see docs/tiny_models.md) and far above a broken draft's.
@@ -84,15 +84,15 @@ def _tokens(outputs: list[dict]) -> list[list[int]]:
 
 
 @pytest.mark.parametrize(
-    "num_spec, prefix_caching, chunk",
+    "num_drafts, prefix_caching, chunk",
     [(7, True, 32), (3, False, 32), (1, True, 512)],
     ids=["T7-prefix-chunked", "T3-no-prefix-chunked", "T1-prefix"],
 )
-def test_mixed_batch_matches_target_only(reference, num_spec, prefix_caching, chunk):
+def test_mixed_batch_matches_target_only(reference, num_drafts, prefix_caching, chunk):
     target, draft, prompts, params, expected, _ = reference
     engine = spec_engine(
         target,
-        num_spec,
+        num_drafts,
         draft,
         # One state checkpoint per sequence slot: 16 keep every prompt's, so the
         # second pass below resumes from them.
@@ -113,18 +113,18 @@ def test_mixed_batch_matches_target_only(reference, num_spec, prefix_caching, ch
         assert _tokens(again) == [expected[i]["token_ids"] for i in SHARED]
     stats = engine.get_spec_decode_stats()
     engine.close()
-    print(f"{target} T={num_spec}: {stats}")
+    print(f"{target} T={num_drafts}: {stats}")
     assert stats["num_verify_steps"] > 0
-    if num_spec == 7:
+    if num_drafts == 7:
         assert stats["acceptance_rate"] >= MIN_ACCEPTANCE_RATE
         assert stats["per_position_acceptance"][0] >= MIN_FIRST_DRAFT_RATE
 
 
-@pytest.mark.parametrize("num_spec", [1, 3, 7])
-def test_batch_of_one_matches_target_only(reference, num_spec):
+@pytest.mark.parametrize("num_drafts", [1, 3, 7])
+def test_batch_of_one_matches_target_only(reference, num_drafts):
     target, draft, prompts, params, expected, _ = reference
     engine = spec_engine(
-        target, num_spec, draft, max_num_seqs=1, max_num_batched_tokens=32
+        target, num_drafts, draft, max_num_seqs=1, max_num_batched_tokens=32
     )
     for index in (EOS_INDEX, 2):  # EOS mid-run; a 40-token prompt in 2 chunks
         (out,) = engine.generate([prompts[index]], [params[index]])

@@ -2,7 +2,7 @@
 a block boundary whose state was checkpointed."""
 
 from atom.model_engine.scheduler import Scheduler
-from tests.engine.scheduler_helpers import (
+from tests.model_engine.scheduler_helpers import (
     answer,
     make_scheduler,
     run_until_sampled,

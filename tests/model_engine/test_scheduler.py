@@ -5,7 +5,7 @@ import pytest
 from atom.model_engine.batch import BatchOutput, TokenChoice
 from atom.model_engine.scheduler import Scheduler
 from atom.model_engine.sequence import SequenceStatus
-from tests.engine.scheduler_helpers import (
+from tests.model_engine.scheduler_helpers import (
     EOS,
     answer,
     make_scheduler,
@@ -211,7 +211,7 @@ def test_verify_rows_commits_and_drafts_flow_between_batches():
     run_until_sampled(sched, drafts=[[71, 72, 73]])
     verify = sched.schedule()
     (work,) = verify.work
-    assert (work.token_ids, work.context_len, work.num_spec_tokens) == (
+    assert (work.token_ids, work.context_len, work.num_drafts) == (
         [50, 71, 72, 73],
         6,
         3,
@@ -252,14 +252,14 @@ def test_fewer_drafts_are_verified_near_max_tokens_and_max_model_len():
     run_until_sampled(sched, drafts=[[71, 72, 73]])
     (work,) = sched.schedule().work
     # 2 tokens may still be emitted: verify 1 draft (+1 bonus).
-    assert (work.token_ids, work.num_spec_tokens) == ([50, 71], 1)
+    assert (work.token_ids, work.num_drafts) == ([50, 71], 1)
 
     sched = spec_scheduler(max_model_len=10)
     seq = seq_of(range(10, 17), max_tokens=20)
     sched.add(seq)
     run_until_sampled(sched, drafts=[[71, 72, 73]])
     verify = sched.schedule()
-    assert verify.work[0].num_spec_tokens == 1  # 8 tokens now, room for 2 more
+    assert verify.work[0].num_drafts == 1  # 8 tokens now, room for 2 more
     finished = sched.postprocess(verify, answer(verify, [[71, 72]], [1], [[1, 1, 1]]))
     assert finished == [seq] and seq.finish_reason == "length"
     assert seq.num_tokens == 10

@@ -20,7 +20,7 @@ from atom.models.tiny import (
 from atom.models.tiny.configs import TINY_VOCAB_SIZE as VOCAB
 from atom.models.tiny.tokenizer import SPECIAL_TOKENS
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def _files(folder: Path) -> dict[str, bytes]:

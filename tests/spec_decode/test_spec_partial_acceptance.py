@@ -4,7 +4,7 @@ The drafter is made right for exactly j drafts per step (its real `propose` runs
 the first j drafts are replaced by the target's greedy continuation and the rest by
 other tokens), j in {0, 2, T}. After every commit, each KDA layer's conv and
 recurrent state must equal a target-only run's state at the same committed length,
-every verify step must accept exactly min(j, T_eff) drafts, and the tokens must be the
+every verify step must accept exactly min(j, num_drafts) drafts, and the tokens must be the
 target-only tokens.
 """
 
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from atom import SamplingParams
-from tests.spec.spec_helpers import (
+from tests.spec_decode.spec_helpers import (
     PAIRS,
     force_drafts,
     random_tokens,
@@ -65,8 +65,8 @@ def reference(request):
 def expected_acceptance(num_right: int) -> tuple[list[int], bool]:
     """(accepted drafts of each verify step, whether the last step verifies).
 
-    The prefill emits token 1; a step verifies T_eff = min(T, left - 1) drafts and
-    accepts min(j, T_eff); with one token left it decodes plainly.
+    The prefill emits token 1; a step verifies num_drafts = min(T, left - 1) drafts and
+    accepts min(j, num_drafts); with one token left it decodes plainly.
     """
     left, accepted, last_is_verify = NEW_TOKENS - 1, [], False
     while left:
