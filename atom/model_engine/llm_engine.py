@@ -21,7 +21,11 @@ from atom.model_engine.batch import ScheduledBatch
 from atom.model_engine.output_processor import OutputProcessor, RequestOutput
 from atom.model_engine.scheduler import Scheduler
 from atom.model_engine.sequence import Sequence
-from atom.model_engine.worker import InProcessWorker, WorkerGroup
+from atom.model_engine.worker import (
+    InProcessWorker,
+    WorkerGroup,
+    refuse_engine_in_rank_process,
+)
 from atom.sampling_params import SamplingParams
 from atom.utils.tokenizer import (
     TEXT_NEEDS_TOKENIZER,
@@ -34,6 +38,7 @@ logger = logging.getLogger(__name__)
 
 class LLMEngine:
     def __init__(self, model: str = "tiny-kimi-k3", **kwargs) -> None:
+        refuse_engine_in_rank_process()
         known = {f.name for f in fields(Config)}
         unknown = sorted(set(kwargs) - known)
         if unknown:

@@ -185,6 +185,29 @@ def worker_main(
         destroy_distributed()
 
 
+# Rank processes are named RANK_PROCESS_PREFIX + rank. spawn re-imports the user's
+# main script in each of them under that name, so an engine started there comes from
+# a script without the `__main__` guard: such a rank exits with UNGUARDED_MAIN_EXIT
+# and no output, and the parent says why once.
+RANK_PROCESS_PREFIX = "atom-rank"
+UNGUARDED_MAIN_EXIT = 3
+UNGUARDED_MAIN = (
+    "the script that starts this engine runs it at import, and atom starts each "
+    "rank process by importing that script again (multiprocessing's spawn): put the "
+    'code that builds the engine under `if __name__ == "__main__":`'
+)
+
+
+def refuse_engine_in_rank_process() -> None:
+    """Stop a rank process that is re-importing an unguarded main script."""
+    name = mp.current_process().name
+    if (
+        name.startswith(RANK_PROCESS_PREFIX)
+        and name[len(RANK_PROCESS_PREFIX) :].isdigit()
+    ):
+        raise SystemExit(UNGUARDED_MAIN_EXIT)
+
+
 def start_ranks(
     config: Config,
     tasks: list[mp.Queue] | None,
@@ -210,7 +233,7 @@ def start_ranks(
                 results,
                 lost if rank == 0 else None,
             ),
-            name=f"atom-rank{rank}",
+            name=f"{RANK_PROCESS_PREFIX}{rank}",
             daemon=True,
         )
         for i, rank in enumerate(ranks)
@@ -311,6 +334,8 @@ class WorkerGroup:
             if proc.is_alive() or (crashed_only and proc.exitcode == 0):
                 continue
             where = self.layout.describe_rank(rank)
+            if proc.exitcode == UNGUARDED_MAIN_EXIT:
+                return f"rank {rank} ({where}) stopped at start: {UNGUARDED_MAIN}"
             return f"rank {rank} ({where}) exited with code {proc.exitcode}"
         return None
 
@@ -337,7 +362,8 @@ class WorkerGroup:
         exited = self._exited_rank() or self._node_loss()
         if exited is not None:
             self.close()
-            raise RuntimeError(f"{exited}; the engine cannot continue")
+            # Called while waiting on the results queue: its Empty is no cause.
+            raise RuntimeError(f"{exited}; the engine cannot continue") from None
 
     def wait_for_rank_exit(self, timeout: float) -> str | None:
         """Block up to `timeout` s until a rank process ends or another node is

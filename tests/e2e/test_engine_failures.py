@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -133,3 +135,31 @@ def test_unknown_architecture_is_refused(tmp_path):
     path = copy_with_config(tmp_path, architectures=["NoSuchModelForCausalLM"])
     with pytest.raises(ValueError, match="NoSuchModelForCausalLM"):
         LLMEngine(path, **ENGINE_SETTINGS)
+
+
+UNGUARDED_SCRIPT = """
+from atom import LLMEngine, SamplingParams
+
+llm = LLMEngine("tiny-kimi-linear", pipeline_parallel_size=2, device="cpu")
+print(llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2)))
+"""
+
+
+def test_a_script_without_the_main_guard_gets_one_clear_error(tmp_path):
+    """spawn re-imports the main script in every rank; those ranks stop silently and
+    the engine says once what the script lacks, instead of one traceback per rank."""
+    script = tmp_path / "unguarded.py"
+    script.write_text(UNGUARDED_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=240,
+    )
+    assert done.returncode != 0
+    assert 'if __name__ == "__main__":' in done.stderr, done.stderr[-2000:]
+    assert "stopped at start" in done.stderr
+    assert done.stderr.count("Traceback") == 1, done.stderr[-4000:]
