@@ -18,7 +18,6 @@ import time
 import torch.distributed as dist
 
 from atom.config import Config
-from atom.distributed.model_fingerprint import model_fingerprint
 from atom.distributed.node_rendezvous import (
     connect_store,
     error_line,
@@ -52,8 +51,10 @@ RANK_SETTINGS = (
 class NodeMembership:
     """Join at construction (raises NodeLayoutError on a refusal), then watch."""
 
-    def __init__(self, config: Config, backend: str) -> None:
-        """`backend`: the one this node's ranks will use; all nodes must agree."""
+    def __init__(self, config: Config, backend: str, model: dict) -> None:
+        """`backend`: the one this node's ranks will use; `model`: the fingerprint
+        of what they will load (`model_loader/model_fingerprint.py`); all nodes
+        must agree on both."""
         self.layout = layout = config.node_layout
         for line in layout.placement_lines():
             logger.info("placement: %s", line)
@@ -65,7 +66,7 @@ class NodeMembership:
             **layout.facts(),
             "backend": backend,
             "settings": {name: getattr(config, name) for name in RANK_SETTINGS},
-            "model": model_fingerprint(config),
+            "model": model,
         }
         if layout.node_rank == 0:
             meet_as_head(store, layout, facts)

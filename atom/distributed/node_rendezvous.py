@@ -22,7 +22,6 @@ import time
 
 import torch.distributed as dist
 
-from atom.distributed.model_fingerprint import fingerprint_difference
 from atom.distributed.node_layout import NodeLayout, NodeLayoutError
 from atom.distributed.rank_process import STORE_TIMEOUT
 
@@ -82,6 +81,23 @@ def error_line(error: BaseException) -> str:
     return lines[0] if lines else type(error).__name__
 
 
+def first_difference(mine: object, theirs: object, path: str = "") -> str | None:
+    """Where two JSON-like facts first differ, as "key path: mine vs theirs" (None
+    if equal); a nested dict is named by its "architecture" where it has one."""
+    if mine == theirs:
+        return None
+    if isinstance(mine, dict) and isinstance(theirs, dict):
+        for key in sorted(set(mine) | set(theirs)):
+            found = first_difference(mine.get(key), theirs.get(key), f"{path} {key}")
+            if found is not None:
+                return found
+
+    def brief(value: object) -> object:
+        return value.get("architecture", "...") if isinstance(value, dict) else value
+
+    return f"{path.strip()}: {brief(mine)} vs {brief(theirs)}"
+
+
 def facts_difference(mine: dict, theirs: dict) -> str | None:
     """How a node's facts differ from node 0's, in words (None if they agree)."""
 
@@ -102,7 +118,7 @@ def facts_difference(mine: dict, theirs: dict) -> str | None:
         if theirs["settings"].get(name) != value:
             flag = "--" + name.replace("_", "-")
             return f"{flag} {theirs['settings'].get(name)} instead of node 0's {value}"
-    difference = fingerprint_difference(theirs["model"], mine["model"])
+    difference = first_difference(theirs["model"], mine["model"])
     if difference is not None:
         return f"another model: {difference} (this node's vs node 0's)"
     return None

@@ -22,6 +22,7 @@ from atom.distributed.node_layout import NodeLayoutError, torchrun_settings
 from atom.distributed.node_membership import NodeMembership
 from atom.model_engine.arg_utils import EngineArgs
 from atom.model_engine.worker import choose_backend, start_ranks
+from atom.model_loader.model_fingerprint import model_fingerprint
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +54,8 @@ def join_as_member(args: argparse.Namespace) -> tuple[Config, NodeMembership]:
             f"--node-rank {layout.node_rank}); node 0 serves without --headless"
         )
     use_node_interface(layout)
-    return config, NodeMembership(config, choose_backend(config))
+    nodes = NodeMembership(config, choose_backend(config), model_fingerprint(config))
+    return config, nodes
 
 
 def supervise(config: Config, nodes: NodeMembership, procs: list) -> int:

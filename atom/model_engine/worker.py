@@ -45,6 +45,7 @@ from atom.distributed.parallel_state import (
 from atom.distributed.rank_process import die_with_parent, free_port
 from atom.model_engine.batch import BatchOutput, ScheduledBatch
 from atom.model_engine.model_runner import ModelRunner
+from atom.model_loader.model_fingerprint import model_fingerprint
 from atom.models.utils import language_model_of
 
 logger = logging.getLogger(__name__)
@@ -263,7 +264,9 @@ class WorkerGroup:
             )
         if layout.is_multinode:
             use_node_interface(layout)
-            self.nodes = NodeMembership(config, choose_backend(config))
+            self.nodes = NodeMembership(
+                config, choose_backend(config), model_fingerprint(config)
+            )
             self._lost, self._lost_writer = ctx.Pipe(duplex=False)
         self.results: mp.Queue = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in layout.my_ranks]

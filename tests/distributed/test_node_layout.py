@@ -13,15 +13,11 @@ from safetensors.torch import save_file
 
 from atom.config import Config
 from atom.distributed.dist_interface import interface_of, use_node_interface
-from atom.distributed.model_fingerprint import (
-    checkpoint_fingerprint,
-    fingerprint_difference,
-    model_fingerprint,
-)
 from atom.distributed.node_layout import NodeLayout, NodeLayoutError, torchrun_settings
 from atom.distributed.node_membership import NodeMembership
 from atom.distributed.node_rendezvous import (
     connect_store,
+    first_difference,
     meet_as_head,
     meet_as_member,
     node_store,
@@ -33,6 +29,10 @@ from atom.distributed.rank_process import (
 )
 from atom.entrypoints.cli import make_parser
 from atom.model_engine.arg_utils import EngineArgs
+from atom.model_loader.model_fingerprint import (
+    checkpoint_fingerprint,
+    model_fingerprint,
+)
 
 NODES = dict(master_addr="127.0.0.1", master_port=29500)
 
@@ -154,13 +154,13 @@ def test_the_fingerprint_sees_the_weights_config_and_architecture(tmp_path):
     a = write_checkpoint(tmp_path / "a", {"w": torch.zeros(4, 2)})
     b = write_checkpoint(tmp_path / "b", {"w": torch.zeros(2, 4)})
     same = {"target": checkpoint_fingerprint(a, hf), "draft": None}
-    assert fingerprint_difference(same, dict(same)) is None
+    assert first_difference(same, dict(same)) is None
     other = {"target": checkpoint_fingerprint(b, hf), "draft": None}
-    assert fingerprint_difference(other, same).startswith("target model weights: ")
+    assert first_difference(other, same).startswith("target weights: ")
     k31 = model_fingerprint(Config(model="tiny-kimi-k31"))
     k3 = model_fingerprint(Config(model="tiny-kimi-k3"))
-    assert fingerprint_difference(k31, k3) == (
-        "target model architecture: KimiK31ForConditionalGeneration vs "
+    assert first_difference(k31, k3) == (
+        "target architecture: KimiK31ForConditionalGeneration vs "
         "KimiK3ForConditionalGeneration"
     )
 
@@ -227,7 +227,7 @@ def test_a_node_with_another_world_setting_or_model_is_refused_on_both_sides():
         == ("node 1 refused: --max-num-seqs 64 instead of node 0's 8")
     )
     head, member = meet(facts(2), facts(2, model="other"))
-    assert "another model: target model architecture: other vs m" in str(head)
+    assert "another model: target architecture: other vs m" in str(head)
     assert str(head) == str(member)
 
 
@@ -240,6 +240,9 @@ def test_a_node_that_finds_no_node_0_says_where_it_looked():
     nobody = layout(2, 2, master_port=free_port(), node_rank=1)
     with pytest.raises(NodeLayoutError, match="could not reach node 0's rendezvous"):
         connect_store(nobody, 1, host=False)
+
+
+FINGERPRINT = {"target": {"architecture": "m", "config": "c", "weights": "w"}}
 
 
 @pytest.mark.parametrize(
@@ -258,7 +261,9 @@ def test_node_0_names_a_node_that_goes_silent_or_fails(end, reason):
     joined: dict[int, NodeMembership] = {}
 
     def join(rank: int) -> None:
-        joined[rank] = NodeMembership(Config(**settings, node_rank=rank), "gloo")
+        joined[rank] = NodeMembership(
+            Config(**settings, node_rank=rank), "gloo", FINGERPRINT
+        )
 
     threads = [threading.Thread(target=join, args=(rank,)) for rank in (0, 1)]
     for thread in threads:

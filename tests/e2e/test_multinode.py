@@ -241,7 +241,7 @@ def test_the_offline_engine_is_node_0_and_a_clean_close_ends_node_1(
         (["-pp", "2", "-tp", "1", *K3], "world size 2 (pp 2 x tp 1, 2 nodes) instead of "
          "node 0's world size 4 (pp 2 x tp 2, 2 nodes)"),
         (["-pp", "2", "-tp", "2", "--model", "tiny-kimi-k31"],
-         "another model: target model architecture: KimiK31ForConditionalGeneration"
+         "another model: target architecture: KimiK31ForConditionalGeneration"
          " vs KimiK3ForConditionalGeneration (this node's vs node 0's)"),
     ],
     ids=["world-size", "model"],

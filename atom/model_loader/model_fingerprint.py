@@ -54,18 +54,3 @@ def model_fingerprint(config: Config) -> dict[str, dict[str, str] | None]:
         "target": checkpoint_fingerprint(config.model, config.hf_config),
         "draft": draft,
     }
-
-
-def fingerprint_difference(mine: dict, theirs: dict) -> str | None:
-    """The first difference between two fingerprints, in words (None if equal)."""
-    for role in ("target", "draft"):
-        a, b = mine.get(role), theirs.get(role)
-        if a == b:
-            continue
-        if a is None or b is None:
-            names = ["none" if x is None else x["architecture"] for x in (a, b)]
-            return f"{role} model: {names[0]} vs {names[1]}"
-        for key in ("architecture", "config", "weights"):
-            if a[key] != b[key]:
-                return f"{role} model {key}: {a[key]} vs {b[key]}"
-    return None
