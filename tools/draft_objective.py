@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from atom.models.kimi_k3.dspark import DSparkAttention, KimiK3DSpark
+from atom.models.kimi.dspark import DSparkAttention, KimiK3DSpark
 
 
 def _expand_latent(

@@ -23,7 +23,7 @@ from torch import nn
 from atom.config import Config, load_hf_config
 from atom.model_engine.llm_engine import LLMEngine
 from atom.model_loader.loader import load_weights
-from atom.models.kimi_k3.dspark import KimiK3DSpark
+from atom.models.kimi.dspark import KimiK3DSpark
 from atom.models.utils import language_model_of
 from atom.sampling_params import SamplingParams
 from atom.spec_decode.aux_capture import TapCapture, allocate_tap_buffers

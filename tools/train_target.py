@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from atom.models.kimi_k3.moe import KimiMoE
+from atom.models.kimi.moe import KimiMoE
 from tools.prefill import prefill
 from tools.step_plan import StepPlan, run_steps
 

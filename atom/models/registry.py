@@ -9,7 +9,7 @@ import importlib
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from atom.models.kimi_k3.dspark_config import DEFAULT_DRAFT_ARCHITECTURE
+from atom.models.kimi.dspark_config import DEFAULT_DRAFT_ARCHITECTURE
 
 if TYPE_CHECKING:
     from torch import nn
@@ -26,7 +26,7 @@ ARCH_ALIASES: dict[str, str] = {
     "MiniMaxM31SparseForCausalLM": "MiniMaxM3SparseForCausalLM",
 }
 
-_KIMI = "atom.models.kimi_k3.model"
+_KIMI = "atom.models.kimi.model"
 _MINIMAX = "atom.models.minimax_m3.model"
 
 TARGET_MODELS: dict[str, str] = {
@@ -40,8 +40,8 @@ TARGET_MODELS: dict[str, str] = {
 }
 
 DRAFT_MODELS: dict[str, str] = {
-    "K3DSparkModel": "atom.models.kimi_k3.dspark:KimiK3DSpark",
-    "Qwen3DSparkModel": "atom.models.minimax_m3.dspark:Qwen3DSpark",
+    "K3DSparkModel": "atom.models.kimi.dspark:KimiK3DSpark",
+    "Qwen3DSparkModel": "atom.models.qwen3_dspark.model:Qwen3DSpark",
 }
 
 # Whether each speculative method's draft shares the target's embedding. Only sharing

@@ -5,7 +5,7 @@ import torch
 
 from atom.config import Config
 from atom.model_engine.cache_engine import CacheEngine
-from atom.models.kimi_k3.model import KimiK3ForConditionalGeneration
+from atom.models.kimi.model import KimiK3ForConditionalGeneration
 
 BLOCK_SIZE = 4
 

@@ -10,7 +10,7 @@ from atom.model_ops.kda_backend import (
     fla_available,
     select_kda_backend,
 )
-from atom.models.kimi_k3.kda import KimiDeltaAttention
+from atom.models.kimi.kda import KimiDeltaAttention
 from atom.models.registry import get_model_class
 from atom.utils.forward_context import AttentionMetadata
 

@@ -14,7 +14,7 @@ from atom.model_ops.rotary_embedding import yarn_mscale
 from atom.model_ops.sampler import probs_for
 from atom.model_ops.sampling_metadata import SamplingMetadata
 from atom.models.dspark_base import MarkovHead
-from atom.models.kimi_k3.dspark import KimiK3DSpark
+from atom.models.kimi.dspark import KimiK3DSpark
 from atom.models.tiny import configs, resolve_model_path
 from atom.spec_decode.markov_head import markov_decode
 from tests.toy_target import ToyCausalLM

@@ -3,7 +3,7 @@
 transformers 5.24 `save_pretrained` writes the *checkpoint* names for kimi_linear
 (`self_attn.q_conv1d`, `self_attn.f_a_proj`, `block_sparse_moe.experts.{e}.w1`, ...),
 except that the dense layer comes out as `block_sparse_moe.{gate,up,down}_proj`;
-`atom.models.kimi_k3.hf_names` maps both that and the in-memory names back.
+`atom.models.kimi.hf_names` maps both that and the in-memory names back.
 """
 
 import math
@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from atom.models.kimi_k3.hf_names import to_checkpoint_names
+from atom.models.kimi.hf_names import to_checkpoint_names
 from atom.models.tiny import resolve_model_path
 from atom.models.tiny.configs import TOKEN_IDS, kimi_linear_config
 from atom.models.tiny.weights import kimi_linear_specs

@@ -14,8 +14,8 @@ from atom.models.interfaces import (
     TapLayer,
     is_graph_capturable,
 )
-from atom.models.kimi_k3.kda import KimiDeltaAttention
-from atom.models.kimi_k3.mla import KimiMLAttention
+from atom.models.kimi.kda import KimiDeltaAttention
+from atom.models.kimi.mla import KimiMLAttention
 from atom.models.minimax_m3.attention import MiniMaxM3Attention
 from atom.models.registry import get_model_class
 from atom.models.utils import language_model_of

@@ -12,7 +12,7 @@ from atom.config import Config
 from atom.distributed.parallel_state import build_parallel_state
 from atom.model_loader.loader import load_weights
 from atom.model_ops.embed_head import VocabParallelEmbedding
-from atom.models.kimi_k3.model import KimiK3ForConditionalGeneration, KimiLinearModel
+from atom.models.kimi.model import KimiK3ForConditionalGeneration, KimiLinearModel
 from atom.models.utils import PPMissingLayer
 from tests.models.kimi_helpers import (
     EMBEDDING_PLACEMENTS,

@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from atom.models.kimi_k3.config import KimiTextConfig
+from atom.models.kimi.config import KimiTextConfig
 from atom.models.tiny.configs import k3_text_config, kimi_linear_config
 from tests.models.kimi_helpers import (
     TRANSFORMERS_MLA_FIRST_ALL_MOE,

@@ -7,8 +7,8 @@ import torch
 
 from atom.config import Config
 from atom.distributed.parallel_state import build_parallel_state
-from atom.models.kimi_k3.config import KimiTextConfig
-from atom.models.kimi_k3.model import KimiLinearModel
+from atom.models.kimi.config import KimiTextConfig
+from atom.models.kimi.model import KimiLinearModel
 from atom.models.tiny.configs import (
     TINY_VOCAB_SIZE,
     k3_text_config,

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from atom.model_engine.model_inputs import SeqPadding, prepare_inputs
 from atom.model_loader.build import building_on
 from atom.model_loader.loader import WeightLoadingError
-from atom.models.kimi_k3.model import KimiK3ForConditionalGeneration
+from atom.models.kimi.model import KimiK3ForConditionalGeneration
 from atom.models.registry import get_model_class
 from atom.models.tiny import resolve_model_path
 from atom.models.utils import language_model_of

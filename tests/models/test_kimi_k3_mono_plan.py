@@ -10,10 +10,10 @@ import json
 import pytest
 
 from atom.config import Config
-from atom.models.kimi_k3.config import KimiTextConfig
-from atom.models.kimi_k3.dspark_config import DSparkDraftConfig
-from atom.models.kimi_k3.model import text_config_of
-from atom.models.kimi_k3.plan import FFN, Attention
+from atom.models.kimi.config import KimiTextConfig
+from atom.models.kimi.dspark_config import DSparkDraftConfig
+from atom.models.kimi.model import text_config_of
+from atom.models.kimi.plan import FFN, Attention
 from atom.models.tiny.configs import dspark_config, k3_text_config
 from tests.models.kimi_helpers import k3_full_size_text
 
@@ -142,7 +142,7 @@ def test_tiny_dspark_taps():
 
 def test_layers_are_built_from_the_plan():
     """The decoder layers follow the plan, AttnRes boundaries included."""
-    from atom.models.kimi_k3.model import KimiLinearModel
+    from atom.models.kimi.model import KimiLinearModel
 
     config = Config(model="tiny-kimi-k3")
     model = KimiLinearModel(config)

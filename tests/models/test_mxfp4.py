@@ -23,7 +23,7 @@ from atom.distributed.launch import run_ranks
 from atom.distributed.parallel_state import build_parallel_state, get_tp_group
 from atom.model_loader.loader import WeightLoadingError, load_weights
 from atom.model_ops.mxfp4 import declares_mxfp4, dequantize_mxfp4
-from atom.models.kimi_k3.model import KimiK3ForConditionalGeneration
+from atom.models.kimi.model import KimiK3ForConditionalGeneration
 from atom.models.tiny import resolve_model_path
 from tests.models.kimi_helpers import bind_caches, build_target, logits_of, work
 from tests.models.mxfp4_reference import quantize_mxfp4

@@ -18,7 +18,7 @@ from atom.config import Config, load_hf_config
 from atom.distributed.parallel_state import build_parallel_state
 from atom.model_engine.cache_engine import CacheEngine
 from atom.model_loader.loader import WeightLoadingError, load_weights
-from atom.models.minimax_m3.dspark import Qwen3DSpark
+from atom.models.qwen3_dspark.model import Qwen3DSpark
 from atom.models.registry import draft_tap_ids
 from atom.models.tiny import resolve_model_path
 from atom.models.tiny.configs import TOKEN_IDS

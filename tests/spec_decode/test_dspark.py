@@ -20,8 +20,8 @@ from atom.model_engine.model_inputs import prepare_inputs
 from atom.model_engine.model_runner import ModelRunner
 from atom.model_loader.loader import WeightLoadingError, load_weights, parameter_bytes
 from atom.models import causal_lm
-from atom.models.kimi_k3.dspark import KimiK3DSpark
-from atom.models.minimax_m3.dspark import Qwen3DSpark
+from atom.models.kimi.dspark import KimiK3DSpark
+from atom.models.qwen3_dspark.model import Qwen3DSpark
 from atom.models.tiny import resolve_model_path
 from atom.models.utils import PPMissingLayer, language_model_of
 from atom.spec_decode.dspark_drafter import DSparkDrafter, check_shared_embedding

@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import torch
 
-from atom.models.kimi_k3.config import KimiTextConfig
+from atom.models.kimi.config import KimiTextConfig
 
 # Init rules, applied in `_init_tensor`.
 EMBED = "embed"  # N(0, 1)

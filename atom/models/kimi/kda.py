@@ -28,7 +28,7 @@ from atom.model_ops.linear import (
     shard_of,
 )
 from atom.models.interfaces import StateTensor
-from atom.models.kimi_k3.config import KimiTextConfig
+from atom.models.kimi.config import KimiTextConfig
 from atom.utils.forward_context import require_metadata
 
 

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 
-from atom.models.kimi_k3.config_fields import DENSE, KDA, MLA, MOE
+from atom.models.kimi.config_fields import DENSE, KDA, MLA, MOE
 from atom.utils.arithmetic import ceil_div
 
 

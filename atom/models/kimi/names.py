@@ -13,7 +13,7 @@ import torch
 
 from atom.model_ops.gated_mlp import GATE_UP_SHARDS
 from atom.model_ops.routed_experts import expert_checkpoint_target
-from atom.models.kimi_k3.hf_names import to_checkpoint_names
+from atom.models.kimi.hf_names import to_checkpoint_names
 
 _LAYER = re.compile(r"^model\.layers\.(?P<i>\d+)\.")
 

@@ -17,10 +17,10 @@ from torch import nn
 from atom.model_ops.attn_res import attn_res_mix
 from atom.model_ops.layernorm import RMSNorm
 from atom.model_ops.linear import ReplicatedLinear
-from atom.models.kimi_k3.config import KimiTextConfig
-from atom.models.kimi_k3.kda import KimiDeltaAttention
-from atom.models.kimi_k3.mla import KimiMLAttention
-from atom.models.kimi_k3.moe import KimiMoE, dense_mlp
+from atom.models.kimi.config import KimiTextConfig
+from atom.models.kimi.kda import KimiDeltaAttention
+from atom.models.kimi.mla import KimiMLAttention
+from atom.models.kimi.moe import KimiMoE, dense_mlp
 
 LayerOutput = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 

@@ -19,7 +19,7 @@ from atom.model_ops.linear import (
 )
 from atom.model_ops.paged_mla import gather_kv, latent_attention, write_kv
 from atom.model_ops.visibility import causal_visibility
-from atom.models.kimi_k3.config import KimiTextConfig
+from atom.models.kimi.config import KimiTextConfig
 from atom.utils.forward_context import require_metadata
 
 

@@ -16,7 +16,7 @@ from atom.model_ops.layernorm import RMSNorm
 from atom.model_ops.linear import ReplicatedLinear
 from atom.model_ops.moe_router import select_experts
 from atom.model_ops.routed_experts import FusedExperts, RouterGate
-from atom.models.kimi_k3.config import KimiTextConfig
+from atom.models.kimi.config import KimiTextConfig
 
 
 def make_act(config: KimiTextConfig) -> nn.Module:

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from atom.models.kimi_k3.config_fields import (
+from atom.models.kimi.config_fields import (
     TRANSFORMERS_MLA_NORM_EPS,
     attention_schedule,
     decodes_as_transformers,
@@ -20,7 +20,7 @@ from atom.models.kimi_k3.config_fields import (
     linear_attn_config,
     read_fields,
 )
-from atom.models.kimi_k3.plan import KimiLayerPlan
+from atom.models.kimi.plan import KimiLayerPlan
 
 GATE_LOWER_BOUND_RANGE = (-5.0, 0.0)
 

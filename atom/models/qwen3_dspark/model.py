@@ -35,7 +35,7 @@ from atom.model_ops.paged_attention import gqa_attention
 from atom.model_ops.paged_mla import write_kv
 from atom.model_ops.rotary_embedding import RotaryEmbedding
 from atom.models.dspark_base import DraftAttention, DSparkDraft, DSparkLayer
-from atom.models.minimax_m3.dspark_config import Qwen3DSparkConfig
+from atom.models.qwen3_dspark.config import Qwen3DSparkConfig
 
 _QKV = re.compile(r"\.self_attn\.(?P<proj>[qkv])_proj\.weight$")
 _QKV_SHARDS = {"q": 0, "k": 1, "v": 2}

@@ -28,7 +28,7 @@ from atom.model_ops.linear import (
 from atom.model_ops.paged_mla import latent_attention, write_kv
 from atom.model_ops.rotary_embedding import RotaryEmbedding
 from atom.models.dspark_base import DraftAttention, DSparkDraft, DSparkLayer
-from atom.models.kimi_k3.dspark_config import DSparkDraftConfig
+from atom.models.kimi.dspark_config import DSparkDraftConfig
 
 
 class DSparkAttention(DraftAttention):

@@ -25,9 +25,9 @@ from atom.models.causal_lm import (
     PipelineTextStack,
     TextOnlyWrapper,
 )
-from atom.models.kimi_k3.config import KimiTextConfig
-from atom.models.kimi_k3.layer import KimiDecoderLayer
-from atom.models.kimi_k3.names import map_text_checkpoint_name
+from atom.models.kimi.config import KimiTextConfig
+from atom.models.kimi.layer import KimiDecoderLayer
+from atom.models.kimi.names import map_text_checkpoint_name
 from atom.models.utils import IntermediateTensors, PPMissingLayer
 
 
