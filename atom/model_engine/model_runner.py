@@ -218,7 +218,7 @@ class ModelRunner:
         num_tokens = batch.num_tokens
         received, taps_in = None, None
         if not self.is_first_stage:
-            payload = recv_tensor_dict(self.device, self._expected_keys(num_tokens))
+            payload = recv_tensor_dict(self.device, self._expected_keys())
             taps_in = payload.pop(AUX_KEY, None)
             received = IntermediateTensors(payload)
         out, positions, slot_mapping = self._forward(batch.work, received)
@@ -251,12 +251,10 @@ class ModelRunner:
             out = self.model(input_ids, positions, received)
         return out, positions, metadata.slot_mapping
 
-    def _expected_keys(self, num_tokens: int) -> set[str]:
-        keys = set(
-            self.model.make_empty_intermediate_tensors(
-                num_tokens, self.dtype, self.device
-            )
-        )
+    def _expected_keys(self) -> set[str]:
+        # The model declares its payload (models/interfaces.py): nothing is allocated
+        # per step just to learn the names.
+        keys = set(self.model.pp_payload_keys)
         if self.relay is not None and self.relay.incoming:
             keys.add(AUX_KEY)
         return keys
