@@ -112,6 +112,19 @@ def test_a_field_atom_does_not_honour_is_400_naming_it(server, path, field, valu
         assert internal not in message
 
 
+def test_a_message_key_with_a_value_is_refused_and_an_empty_one_served(server):
+    named = {"role": "user", "content": "hi", "name": "bob"}
+    body = request(CHAT) | {"messages": [named]}
+    message = error_message(server.post(CHAT, body), 400)
+    assert message.startswith("messages.0: message keys ['name']"), message
+    replayed = {"role": "assistant", "content": "hello", "tool_calls": None}
+    replayed |= {"refusal": None}
+    user = {"role": "user", "content": "and?"}
+    body = request(CHAT) | {"messages": [user, replayed, user]}
+    response = server.post(CHAT, body)
+    assert response.status_code == 200, response.text
+
+
 # (endpoint, fields): every honoured field, or an unimplemented one at the value
 # that asks for nothing, as clients send by default.
 SERVED = [

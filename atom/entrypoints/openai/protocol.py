@@ -22,6 +22,7 @@ from pydantic import (
     ValidationError,
     ValidationInfo,
     field_validator,
+    model_validator,
 )
 
 from atom.sampling_params import MAX_SEED, SEED_RULE
@@ -69,6 +70,9 @@ def refuse_unimplemented(value: Any, info: ValidationInfo) -> Any:
     raise ValueError(
         f"{info.field_name} is not implemented by atom; send {accepted} or leave it out"
     )
+
+
+EMPTY = (None, "", [], {})
 
 
 def _problem(item: dict[str, Any]) -> tuple[str, str]:
@@ -203,10 +207,23 @@ class CompletionRequest(OpenAIRequest):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # Other keys are accepted empty, as clients send an earlier reply back with
+    # `"tool_calls": null` or `"refusal": null`; with a value (`name`, tool calls)
+    # they would change the prompt, and atom renders role and content only.
+    model_config = ConfigDict(extra="allow")
 
     role: str
     content: str | list[dict[str, Any]] | None = None
+
+    @model_validator(mode="after")
+    def _no_other_keys_with_values(self) -> "ChatMessage":
+        filled = [k for k, v in (self.model_extra or {}).items() if v not in EMPTY]
+        if filled:
+            raise ValueError(
+                f"message keys {filled} are not supported by atom (only role and "
+                "content; other keys only when empty)"
+            )
+        return self
 
     def text(self) -> str:
         """The message content; multi-part content must be all text."""
