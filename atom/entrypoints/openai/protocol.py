@@ -29,7 +29,7 @@ from atom.sampling_params import MAX_SEED, SEED_RULE
 
 TokenId = Annotated[StrictInt, Field(ge=0)]
 # NaN and infinity are refused here: Python's JSON parser accepts `NaN`.
-Number = Annotated[StrictFloat, Field(allow_inf_nan=False)]
+FiniteFloat = Annotated[StrictFloat, Field(allow_inf_nan=False)]
 # OpenAI's default for /v1/completions when a request names no max_tokens.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
@@ -38,17 +38,14 @@ def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
 # The OpenAI fields atom does not implement: the test for the value that asks for
 # nothing (served), and how the refusal describes it. Any other value is a 400.
 UNIMPLEMENTED: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "frequency_penalty": (lambda v: _is_number(v) and v == 0, "0"),
-    "presence_penalty": (lambda v: _is_number(v) and v == 0, "0"),
+    # `type(v)`, not isinstance: `false` is no number, though False == 0 in Python.
+    "frequency_penalty": (lambda v: type(v) in (int, float) and v == 0, "0"),
+    "presence_penalty": (lambda v: type(v) in (int, float) and v == 0, "0"),
     "logit_bias": (lambda v: v == {}, "{}"),
-    "best_of": (lambda v: v == 1 and not isinstance(v, bool), "1"),
+    "best_of": (lambda v: type(v) is int and v == 1, "1"),
     "echo": (lambda v: v is False, "false"),
     "suffix": (lambda v: False, "null"),
     "logprobs": (lambda v: v is False, "null (chat: false)"),
@@ -70,9 +67,6 @@ def refuse_unimplemented(value: Any, info: ValidationInfo) -> Any:
     raise ValueError(
         f"{info.field_name} is not implemented by atom; send {accepted} or leave it out"
     )
-
-
-EMPTY = (None, "", [], {})
 
 
 def _problem(item: dict[str, Any]) -> tuple[str, str]:
@@ -120,9 +114,9 @@ class OpenAIRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
-    temperature: Number | None = Field(default=None, ge=0)
+    temperature: FiniteFloat | None = Field(default=None, ge=0)
     top_k: StrictInt | None = None
-    top_p: Number | None = None
+    top_p: FiniteFloat | None = None
     max_tokens: StrictInt | None = Field(default=None, gt=0)
     max_completion_tokens: StrictInt | None = Field(default=None, gt=0)
     stop: str | list[str] | None = None
@@ -206,6 +200,9 @@ class CompletionRequest(OpenAIRequest):
         return list(prompt)
 
 
+EMPTY_VALUES = (None, "", [], {})
+
+
 class ChatMessage(BaseModel):
     # Other keys are accepted empty, as clients send an earlier reply back with
     # `"tool_calls": null` or `"refusal": null`; with a value (`name`, tool calls)
@@ -217,7 +214,9 @@ class ChatMessage(BaseModel):
 
     @model_validator(mode="after")
     def _no_other_keys_with_values(self) -> "ChatMessage":
-        filled = [k for k, v in (self.model_extra or {}).items() if v not in EMPTY]
+        filled = [
+            k for k, v in (self.model_extra or {}).items() if v not in EMPTY_VALUES
+        ]
         if filled:
             raise ValueError(
                 f"message keys {filled} are not supported by atom (only role and "

@@ -4,9 +4,9 @@ Both are judged from the headers first, so a refused client costs no body readin
 without the key every route but /health answers 401 (the API docs, /metrics and
 /debug/* too, as they describe the server to whoever reads them; an unknown path
 too, so that a 404 tells nothing about the routes), and a declared Content-Length
-over the limit answers 413 at once. A body of undeclared length (chunked) is read up to
-the limit and refused with 413 as soon as it passes it; a body within the limit is
-handed to the route from memory.
+over the limit answers 413 at once. A body of undeclared length (chunked) is read
+up to the limit and refused with 413 as soon as it passes it; a body within the
+limit is handed to the route from memory.
 """
 
 import hmac
