@@ -103,7 +103,7 @@ class LLMEngine:
         vocab = self.config.hf_config.text.get("vocab_size")
         if vocab is not None and any(not 0 <= t < vocab for t in token_ids):
             raise ValueError(f"prompt token ids must lie in [0, {vocab})")
-        params = sampling_params or SamplingParams()
+        self._check_fits_context(len(token_ids), params.max_tokens)
         if params.seed is None:
             # Sampling draws from uniforms keyed by the request's seed, so every
             # request needs one; the caller's object is left as it was.
@@ -117,6 +117,27 @@ class LLMEngine:
             self.scheduler.abort(seq.request_id)  # no half-added request runs on
             raise
         return seq.request_id
+
+    def _check_fits_context(self, prompt_tokens: int, max_tokens: int) -> None:
+        """Refuse a request whose prompt and max_tokens together pass max_model_len.
+
+        The one place for this rule (the server and the CLI reach it through
+        add_request): asking for more than fits is an error, as in the OpenAI API,
+        never silently cut to what is left of the context.
+        """
+        total = prompt_tokens + max_tokens
+        if total <= self.max_model_len:
+            return
+        room = self.max_model_len - prompt_tokens
+        remedy = (
+            f"ask for at most {room} tokens or shorten the prompt"
+            if room > 0
+            else f"shorten the prompt to fewer than {self.max_model_len} tokens"
+        )
+        raise ValueError(
+            f"prompt of {prompt_tokens} tokens + max_tokens={max_tokens} = {total} "
+            f"tokens exceeds max_model_len={self.max_model_len}: {remedy}"
+        )
 
     @staticmethod
     def _check_tokenizer_free(prompt: str | list[int], params: SamplingParams) -> None:

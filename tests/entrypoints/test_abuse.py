@@ -110,14 +110,27 @@ def test_completions_default_to_16_tokens(server):
     assert response.json()["usage"]["completion_tokens"] == 16
 
 
-@pytest.mark.parametrize(
-    "method, path",
-    [("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions")],  # fmt: skip
-)
+# Every route the server has but /health: the API docs and the stats describe the
+# server, so they need the key as much as the API does.
+GUARDED_ROUTES = [
+    ("GET", "/v1/models"),
+    ("GET", f"/v1/models/{MODEL}"),
+    ("POST", "/v1/completions"),
+    ("POST", "/v1/chat/completions"),
+    ("GET", "/docs"),
+    ("GET", "/openapi.json"),
+    ("GET", "/redoc"),
+    ("GET", "/debug/mtp_stats"),
+    ("GET", "/metrics"),
+    ("GET", "/server_info"),
+]
+
+
+@pytest.mark.parametrize("method, path", GUARDED_ROUTES)
 @pytest.mark.parametrize(
     "headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}]
 )
-def test_api_key_guards_every_v1_route(server, method, path, headers):
+def test_api_key_guards_every_route_but_health(server, method, path, headers):
     body = GOOD if path == "/v1/completions" else chat_body("max_tokens", 2)
     response = httpx.request(
         method, server.base_url + path, json=body, headers=headers, timeout=30
@@ -129,6 +142,12 @@ def test_api_key_guards_every_v1_route(server, method, path, headers):
     )
     assert with_key.status_code == 200, with_key.text
     assert httpx.get(server.base_url + "/health", timeout=30).status_code == 200
+
+
+def test_without_the_key_an_unknown_path_is_401_not_404(server):
+    response = httpx.get(server.base_url + "/v1/nowhere", timeout=30)
+    assert "API key" in error_message(response, 401)
+    assert server.get("/v1/nowhere").status_code == 404
 
 
 def test_server_listens_on_loopback_by_default(server):

@@ -49,6 +49,44 @@ def test_health_models_and_server_info(server):
     assert server.get("/debug/mtp_stats").json() == {"enabled": False}
 
 
+def test_models_retrieve_answers_the_served_id_and_404_otherwise(server):
+    # GET /v1/models/{id} is what the openai client's models.retrieve() sends.
+    (listed,) = server.get("/v1/models").json()["data"]
+    card = server.get(f"/v1/models/{MODEL}")
+    assert card.status_code == 200, card.text
+    assert card.json() | {"created": 0} == listed | {"created": 0}
+    for other in ["gpt-4o", "org/" + MODEL, MODEL + "-x"]:
+        message = error_of(server.get(f"/v1/models/{other}"), 404)
+        assert other in message and MODEL in message
+
+
+def test_unknown_routes_and_methods_answer_in_the_error_shape(server):
+    missing = server.get("/v1/nowhere")
+    assert "/v1/nowhere" in error_of(missing, 404)
+    assert missing.json()["error"]["type"] == "not_found_error"
+    wrong_method = server.get("/v1/completions")
+    assert "GET" in error_of(wrong_method, 405)
+    assert wrong_method.headers["allow"] == "POST"
+    assert "detail" not in wrong_method.json()
+
+
+@pytest.mark.parametrize(
+    "body, expected",
+    [
+        (["a list"], "body: must be a JSON object"),
+        ({"prompt": 12}, "prompt: Input should be a valid string or"),
+        ({"prompt": "x", "seed": -1}, "seed: seed must be an integer in"),
+        ({"prompt": "x", "top_p": 1.5}, "top_p must be in (0, 1]"),
+        ({"prompt": "x", "stream_options": {"x": 1}}, "stream_options.x: unknown"),
+    ],
+)
+def test_400_messages_carry_no_library_internals(server, body, expected):
+    message = error_of(server.post("/v1/completions", body), 400)
+    assert message.startswith(expected), message
+    for internal in ("errors.pydantic.dev", "Value error", "list[", "Request", "Sampl"):
+        assert internal not in message
+
+
 def test_greedy_completion_is_repeatable_and_counted(server):
     body = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 8}
     body |= {"temperature": 0, "ignore_eos": True}

@@ -26,21 +26,22 @@ def validation_message(model, body: dict) -> str:
         ({"prompt": "hi", "max_tokens": "many"}, "max_tokens: Input should be a valid"),
         ({"prompt": "hi", "max_completion_tokens": 0}, "max_completion_tokens:"),
         ({"prompt": "hi", "temperature": -0.5}, "temperature: Input should be greater"),
-        ({"prompt": "hi", "n": 2}, "n: Value error, n must be 1"),
+        ({"prompt": "hi", "n": 2}, "n: n must be 1"),
         ({"prompt": "hi", "stop": 5}, "stop"),
         ({"prompt": "hi", "stream": "sometimes"}, "stream"),
         ({"prompt": 12}, "prompt"),
         ({"prompt": [1, -2]}, "prompt"),
         ({"prompt": []}, "prompt must not be an empty list"),
         ({"max_tokens": 4}, "prompt: Field required"),
-        ({"prompt": "hi", "echo": True}, "echo is not supported"),
-        ({"prompt": "hi", "logprobs": 5}, "logprobs are not supported"),
+        ({"prompt": "hi", "echo": True}, "echo is not implemented by atom"),
+        ({"prompt": "hi", "logprobs": 5}, "logprobs is not implemented by atom"),
+        ({"prompt": "hi", "logprobs": 0}, "logprobs is not implemented by atom"),
         ({"prompt": "hi", "max_tokens": "5"}, "max_tokens: Input should be a valid"),
         ({"prompt": "hi", "max_tokens": True}, "max_tokens: Input should be a valid"),
         ({"prompt": "hi", "n": True}, "n: Input should be a valid integer"),
         ({"prompt": "hi", "top_k": "5"}, "top_k: Input should be a valid integer"),
         ({"prompt": "hi", "seed": "5"}, "seed: Input should be a valid integer"),
-        ({"prompt": "hi", "seed": 2**64}, "seed: Value error, seed must be an"),
+        ({"prompt": "hi", "seed": 2**64}, "seed: seed must be an"),
         ({"prompt": "hi", "seed": -1}, "[0, 2**63 - 1]"),
         ({"prompt": "hi", "temperature": True}, "temperature: Input should be a"),
         ({"prompt": "hi", "top_p": "0.5"}, "top_p: Input should be a valid number"),
@@ -53,12 +54,11 @@ def test_completion_request_errors_name_the_field(body, expected):
 
 
 def test_body_that_is_not_an_object_is_rejected():
-    assert "body: Input should be a valid dictionary" in validation_message(
-        CompletionRequest, ["prompt"]
-    )
+    message = validation_message(CompletionRequest, ["prompt"])
+    assert message == "body: must be a JSON object"  # no pydantic class name
 
 
-def test_completion_request_ignores_unknown_fields_and_fills_params():
+def test_completion_request_fills_params_and_takes_the_off_values():
     request = CompletionRequest.model_validate(
         {
             "prompt": "hello",
@@ -68,7 +68,12 @@ def test_completion_request_ignores_unknown_fields_and_fills_params():
             "stop": ["\n\n"],
             "seed": 1234,
             "ignore_eos": True,
-            "best_of": 1,  # unknown: ignored
+            # Unimplemented fields at the value that asks for nothing: served.
+            "best_of": 1,
+            "frequency_penalty": 0,
+            "presence_penalty": 0.0,
+            "logit_bias": {},
+            "echo": False,
             "user": "lm_eval",
         }
     )
@@ -77,6 +82,44 @@ def test_completion_request_ignores_unknown_fields_and_fills_params():
     assert params.max_tokens == 77
     assert (params.temperature, params.top_k, params.top_p) == (0.0, 5, 1.0)
     assert params.stop == ["\n\n"] and params.seed == 1234 and params.ignore_eos
+
+
+@pytest.mark.parametrize(
+    "model, field, value",
+    [
+        (CompletionRequest, "frequency_penalty", 0.5),
+        (CompletionRequest, "presence_penalty", -1),
+        (CompletionRequest, "frequency_penalty", False),
+        (CompletionRequest, "logit_bias", {"5": -100}),
+        (CompletionRequest, "best_of", 2),
+        (CompletionRequest, "best_of", True),
+        (CompletionRequest, "suffix", ""),
+        (ChatCompletionRequest, "tools", []),
+        (ChatCompletionRequest, "tool_choice", "auto"),
+        (ChatCompletionRequest, "response_format", {"type": "json_object"}),
+        (ChatCompletionRequest, "top_logprobs", 0),
+        (ChatCompletionRequest, "reasoning_effort", "low"),
+    ],
+)
+def test_unimplemented_field_is_refused_by_name(model, field, value):
+    body = {"prompt": "hi", field: value}
+    assert validation_message(model, body).startswith(f"{field}: {field} is not")
+
+
+@pytest.mark.parametrize(
+    "body, expected",
+    [
+        ({"prompt": "hi", "min_tokens": 3}, "min_tokens: unknown field"),
+        ({"prompt": "hi", "stream_options": {"x": 1}}, "stream_options.x: unknown"),
+        ({"prompt": 12}, "prompt: Input should be a valid string or"),
+        ({"prompt": "hi", "stop": 5}, "stop: Input should be a valid string or"),
+    ],
+)
+def test_messages_name_fields_without_pydantic_internals(body, expected):
+    message = validation_message(CompletionRequest, body)
+    assert message.startswith(expected)
+    for internal in ("Value error", "list[", "str]", "Request", "pydantic"):
+        assert internal not in message
 
 
 def test_max_completion_tokens_wins_over_max_tokens():
@@ -117,8 +160,6 @@ def test_chat_messages_and_prompt_alias():
                 {"role": "system", "content": "be brief"},
                 {"role": "user", "content": [{"type": "text", "text": "hi "}, {"type": "text", "text": "there"}]},  # fmt: skip
             ],
-            "tools": [{"type": "function"}],
-            "reasoning_effort": "low",
             "chat_template_kwargs": {"thinking": False},
         }
     )
@@ -146,7 +187,7 @@ def test_chat_without_messages_or_with_images_is_a_value_error():
     [
         ({"messages": "hi"}, "messages: Input should be a valid list"),
         ({"messages": [{"content": "hi"}]}, "messages.0.role: Field required"),
-        ({"messages": [], "logprobs": True}, "logprobs are not supported"),
+        ({"messages": [], "logprobs": True}, "logprobs is not implemented by atom"),
         ({"messages": [], "n": 3}, "n must be 1"),
     ],
 )

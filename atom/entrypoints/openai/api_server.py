@@ -13,6 +13,7 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException
 
 from atom.distributed.node_layout import NodeLayoutError
 from atom.entrypoints.openai.async_engine import AsyncEngine, EngineDeadError
@@ -49,7 +50,8 @@ def build_app(
 ) -> FastAPI:
     """The FastAPI app around an already started `AsyncEngine`.
 
-    `api_key` (if set) is required as `Authorization: Bearer <key>` on /v1/*.
+    `api_key` (if set) is required as `Authorization: Bearer <key>` on every route
+    but /health.
     """
     served_model_name = served_model_name or async_engine.model_name
     serving = OpenAIServing(
@@ -77,6 +79,21 @@ def build_app(
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
         return exc.response()
 
+    @app.exception_handler(HTTPException)
+    async def routing_error(request: Request, exc: HTTPException) -> JSONResponse:
+        # Starlette's own 404 / 405, answered in the shape of every other error.
+        if exc.status_code == 404:
+            error = APIError(
+                404, f"no route {request.method} {request.url.path}", "not_found_error"
+            )
+        elif exc.status_code == 405:
+            error = APIError(405, f"{request.url.path} does not serve {request.method}")
+        else:
+            error = APIError(exc.status_code, str(exc.detail))
+        response = error.response()
+        response.headers.update(exc.headers or {})  # e.g. 405's Allow
+        return response
+
     @app.exception_handler(Exception)
     async def unexpected_error(request: Request, exc: Exception) -> JSONResponse:
         return error_for(exc).response()
@@ -89,14 +106,28 @@ def build_app(
     async def chat_completions(request: Request) -> Response:
         return await serving.chat_completions(request)
 
-    @app.get("/v1/models")
-    async def models() -> JSONResponse:
-        card = ModelCard(
+    def model_card() -> ModelCard:
+        return ModelCard(
             id=served_model_name,
             root=async_engine.model_name,
             max_model_len=async_engine.max_model_len,
         )
-        return JSONResponse(ModelList(data=[card]).model_dump())
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        return JSONResponse(ModelList(data=[model_card()]).model_dump())
+
+    # `:path`, as served ids may hold slashes (`org/model`, a local directory).
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> JSONResponse:
+        if model_id != served_model_name:
+            raise APIError(
+                404,
+                f"model {model_id!r} does not exist; this server serves "
+                f"{served_model_name!r}",
+                "not_found_error",
+            )
+        return JSONResponse(model_card().model_dump())
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -165,9 +196,9 @@ def add_server_args(parser: FlexibleArgumentParser) -> FlexibleArgumentParser:
     parser.add_argument(
         "--api-key",
         default=None,
-        help=f"require 'Authorization: Bearer <key>' on every /v1/* route (401 "
-        f"otherwise); None = the {API_KEY_ENV} environment variable, and no key "
-        "at all when that is unset too",
+        help=f"require 'Authorization: Bearer <key>' on every route but /health "
+        f"(401 otherwise), /metrics and /docs included; None = the {API_KEY_ENV} "
+        "environment variable, and no key at all when that is unset too",
     )
     parser.add_argument(
         "--max-request-body-bytes",

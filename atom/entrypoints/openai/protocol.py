@@ -1,12 +1,15 @@
 """OpenAI-compatible request and response shapes for the HTTP server.
 
-Requests ignore unknown fields (clients such as lm_eval send extras) but reject
-wrong types and values atom cannot honour, naming the offending field. Types are
+Every request field is either honoured or refused with a 400 naming it: unknown
+fields are refused, and the OpenAI fields atom does not implement are accepted only
+at the value that asks for nothing (what clients send by default). Types are
 strict: `"5"` or `true` is not a token count, and `true` is not a temperature.
+docs/serving.md has the table of every field.
 """
 
 import time
 import uuid
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -17,12 +20,16 @@ from pydantic import (
     StrictFloat,
     StrictInt,
     ValidationError,
+    ValidationInfo,
     field_validator,
+    model_validator,
 )
 
 from atom.sampling_params import MAX_SEED, SEED_RULE
 
 TokenId = Annotated[StrictInt, Field(ge=0)]
+# NaN and infinity are refused here: Python's JSON parser accepts `NaN`.
+FiniteFloat = Annotated[StrictFloat, Field(allow_inf_nan=False)]
 # OpenAI's default for /v1/completions when a request names no max_tokens.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
@@ -31,32 +38,102 @@ def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+# The OpenAI fields atom does not implement: the test for the value that asks for
+# nothing (served), and how the refusal describes it. Any other value is a 400.
+UNIMPLEMENTED: dict[str, tuple[Callable[[Any], bool], str]] = {
+    # `type(v)`, not isinstance: `false` is no number, though False == 0 in Python.
+    "frequency_penalty": (lambda v: type(v) in (int, float) and v == 0, "0"),
+    "presence_penalty": (lambda v: type(v) in (int, float) and v == 0, "0"),
+    "logit_bias": (lambda v: v == {}, "{}"),
+    "best_of": (lambda v: type(v) is int and v == 1, "1"),
+    "echo": (lambda v: v is False, "false"),
+    "suffix": (lambda v: False, "null"),
+    "logprobs": (lambda v: v is False, "null (chat: false)"),
+    "top_logprobs": (lambda v: False, "null"),
+    "tools": (lambda v: False, "null"),
+    "tool_choice": (lambda v: False, "null"),
+    "functions": (lambda v: False, "null"),
+    "function_call": (lambda v: False, "null"),
+    "response_format": (lambda v: v == {"type": "text"}, '{"type": "text"}'),
+    "reasoning_effort": (lambda v: False, "null"),
+}
+
+
+def refuse_unimplemented(value: Any, info: ValidationInfo) -> Any:
+    """Pass a field of UNIMPLEMENTED through when it asks for nothing."""
+    asks_nothing, accepted = UNIMPLEMENTED[info.field_name]
+    if value is None or asks_nothing(value):
+        return value
+    raise ValueError(
+        f"{info.field_name} is not implemented by atom; send {accepted} or leave it out"
+    )
+
+
+def _problem(item: dict[str, Any]) -> tuple[str, str]:
+    """Where and what, in the request's terms: pydantic's union-member tags and
+    model class names are left out of the location and of the message."""
+    kind = item["type"]
+    *path, last = item["loc"] or ("",)
+    if kind != "extra_forbidden":  # there the last part is the unknown field
+        path.append(last)
+    where = ".".join(
+        str(part) for part in path if isinstance(part, int) or part in FIELD_NAMES
+    )
+    if kind == "extra_forbidden":
+        return (
+            ".".join(filter(None, [where, str(last)])),
+            "unknown field: atom does not accept it",
+        )
+    if kind == "value_error":
+        return where or "body", str(item["ctx"]["error"])
+    if kind == "model_type":
+        return where or "body", "must be a JSON object"
+    return where or "body", item["msg"]
+
+
 def format_validation_error(error: ValidationError) -> str:
-    """One line per problem, e.g. `max_tokens: Input should be greater than 0`."""
-    problems = []
+    """One line per problem, e.g. `max_tokens: Input should be greater than 0`; the
+    alternatives of one field (a prompt may be text or token ids) are joined."""
+    problems: dict[str, list[str]] = {}
     for item in error.errors():
-        where = ".".join(str(part) for part in item["loc"]) or "body"
-        problems.append(f"{where}: {item['msg']}")
-    return "; ".join(problems)
+        where, message = _problem(item)
+        if message not in problems.setdefault(where, []):
+            problems[where].append(message)
+    return "; ".join(f"{where}: {' or '.join(m)}" for where, m in problems.items())
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: StrictBool = False
 
 
 class OpenAIRequest(BaseModel):
     """Sampling fields shared by completions and chat completions."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
-    temperature: StrictFloat | None = Field(default=None, ge=0)
+    temperature: FiniteFloat | None = Field(default=None, ge=0)
     top_k: StrictInt | None = None
-    top_p: StrictFloat | None = None
+    top_p: FiniteFloat | None = None
     max_tokens: StrictInt | None = Field(default=None, gt=0)
     max_completion_tokens: StrictInt | None = Field(default=None, gt=0)
     stop: str | list[str] | None = None
     ignore_eos: StrictBool = False
     seed: StrictInt | None = None
     stream: StrictBool = False
-    stream_options: dict[str, Any] | None = None
+    stream_options: StreamOptions | None = None
     n: StrictInt = 1
+    # An end-user id for the provider's abuse monitoring; it never changes output.
+    user: str | None = None
+    frequency_penalty: Any = None
+    presence_penalty: Any = None
+    logit_bias: Any = None
+
+    _unimplemented = field_validator(
+        "frequency_penalty", "presence_penalty", "logit_bias"
+    )(refuse_unimplemented)
 
     @field_validator("n")
     @classmethod
@@ -73,7 +150,7 @@ class OpenAIRequest(BaseModel):
         return seed
 
     def include_usage_in_stream(self) -> bool:
-        return bool(self.stream_options and self.stream_options.get("include_usage"))
+        return self.stream_options is not None and self.stream_options.include_usage
 
     def sampling_kwargs(self, default_max_tokens: int) -> dict[str, Any]:
         """Keyword arguments for `SamplingParams`; unset fields keep its defaults."""
@@ -97,8 +174,14 @@ class OpenAIRequest(BaseModel):
 class CompletionRequest(OpenAIRequest):
     # A batch (list of strings or of token-id lists) yields one choice per prompt.
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
-    echo: StrictBool = False
-    logprobs: int | None = None
+    echo: Any = None
+    logprobs: Any = None
+    best_of: Any = None
+    suffix: Any = None
+
+    _unimplemented_here = field_validator("echo", "logprobs", "best_of", "suffix")(
+        refuse_unimplemented
+    )
 
     @field_validator("prompt")
     @classmethod
@@ -106,20 +189,6 @@ class CompletionRequest(OpenAIRequest):
         if isinstance(prompt, list) and not prompt:
             raise ValueError("prompt must not be an empty list")
         return prompt
-
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, echo: bool) -> bool:
-        if echo:
-            raise ValueError("echo is not supported by atom")
-        return echo
-
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, logprobs: int | None) -> int | None:
-        if logprobs:
-            raise ValueError("logprobs are not supported by atom")
-        return logprobs
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts of this request, a single prompt being a batch of one."""
@@ -131,11 +200,29 @@ class CompletionRequest(OpenAIRequest):
         return list(prompt)
 
 
+EMPTY_VALUES = (None, "", [], {})
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # Other keys are accepted empty, as clients send an earlier reply back with
+    # `"tool_calls": null` or `"refusal": null`; with a value (`name`, tool calls)
+    # they would change the prompt, and atom renders role and content only.
+    model_config = ConfigDict(extra="allow")
 
     role: str
     content: str | list[dict[str, Any]] | None = None
+
+    @model_validator(mode="after")
+    def _no_other_keys_with_values(self) -> "ChatMessage":
+        filled = [
+            k for k, v in (self.model_extra or {}).items() if v not in EMPTY_VALUES
+        ]
+        if filled:
+            raise ValueError(
+                f"message keys {filled} are not supported by atom (only role and "
+                "content; other keys only when empty)"
+            )
+        return self
 
     def text(self) -> str:
         """The message content; multi-part content must be all text."""
@@ -155,21 +242,25 @@ class ChatCompletionRequest(OpenAIRequest):
     messages: list[ChatMessage] | None = None
     prompt: str | None = None  # accepted as an alias for a single user message
     chat_template_kwargs: dict[str, Any] | None = None
-    logprobs: StrictBool = False
-    # Accepted for client compatibility; atom does not act on them.
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
-    reasoning_effort: str | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    logprobs: Any = None
+    top_logprobs: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
+    reasoning_effort: Any = None
 
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, logprobs: bool) -> bool:
-        if logprobs:
-            raise ValueError("logprobs are not supported by atom")
-        return logprobs
+    _unimplemented_here = field_validator(
+        "logprobs",
+        "top_logprobs",
+        "tools",
+        "tool_choice",
+        "functions",
+        "function_call",
+        "response_format",
+        "reasoning_effort",
+    )(refuse_unimplemented)
 
     def chat_messages(self) -> list[dict[str, str]]:
         """Messages as plain role/content dicts for a chat template."""
@@ -272,3 +363,11 @@ class ErrorInfo(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorInfo
+
+
+# Every field name of a request, for locating a validation problem (see _problem).
+FIELD_NAMES = frozenset(
+    name
+    for model in (CompletionRequest, ChatCompletionRequest, ChatMessage, StreamOptions)
+    for name in model.model_fields
+)

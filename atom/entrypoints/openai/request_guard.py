@@ -1,10 +1,12 @@
 """Admission of HTTP requests before any route sees them: API key, then body size.
 
 Both are judged from the headers first, so a refused client costs no body reading:
-without the key every /v1/* route answers 401, and a declared Content-Length over
-the limit answers 413 at once. A body of undeclared length (chunked) is read up to
-the limit and refused with 413 as soon as it passes it; a body within the limit is
-handed to the route from memory.
+without the key every route but /health answers 401 (the API docs, /metrics and
+/debug/* too, as they describe the server to whoever reads them; an unknown path
+too, so that a 404 tells nothing about the routes), and a declared Content-Length
+over the limit answers 413 at once. A body of undeclared length (chunked) is read
+up to the limit and refused with 413 as soon as it passes it; a body within the
+limit is handed to the route from memory.
 """
 
 import hmac
@@ -18,12 +20,13 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[MutableMapping[str, Any], Receive, Send], Awaitable[None]]
 
-PROTECTED_PREFIX = "/v1/"
+# The liveness probe of a load balancer or supervisor, which holds no key.
+OPEN_PATHS = frozenset({"/health"})
 
 
 class RequestGuard:
     """ASGI middleware: `max_body_bytes` for every request, `api_key` (if set) for
-    every /v1/* route."""
+    every route but those of OPEN_PATHS."""
 
     def __init__(self, app: ASGIApp, max_body_bytes: int, api_key: str | None):
         self.app = app
@@ -55,7 +58,7 @@ class RequestGuard:
         await self.app(scope, replay, send)
 
     def _refusal(self, path: str, headers: dict[bytes, bytes]) -> APIError | None:
-        if self.expected_key is not None and path.startswith(PROTECTED_PREFIX):
+        if self.expected_key is not None and path not in OPEN_PATHS:
             scheme, _, key = headers.get(b"authorization", b"").partition(b" ")
             if scheme.lower() != b"bearer" or not hmac.compare_digest(
                 key.strip(), self.expected_key

@@ -197,8 +197,6 @@ class OpenAIServing:
 
     async def chat_completions(self, request: Request):
         body = await self._parse(request, ChatCompletionRequest)
-        default_max_tokens = min(CHAT_DEFAULT_MAX_TOKENS, self.engine.max_model_len)
-        params = self._sampling_params(body, default_max_tokens)
         try:
             messages = body.chat_messages()
         except ValueError as error:
@@ -217,6 +215,13 @@ class OpenAIServing:
             )
         except Exception as error:
             raise APIError(400, f"messages: chat template failed: {error}") from None
+        # Tokenized here, not in generate(): the default max_tokens is what is left
+        # of the context, and the engine refuses any request that does not fit.
+        prompt = await self.engine.encode(prompt)
+        room = self.engine.max_model_len - len(prompt)
+        # At least 1, so that a prompt with no room left gets the engine's message.
+        default_max_tokens = max(1, min(CHAT_DEFAULT_MAX_TOKENS, room))
+        params = self._sampling_params(body, default_max_tokens)
         request_id = random_id("chatcmpl")
         if not body.stream:
             (output,) = await unless_disconnected(
@@ -293,7 +298,9 @@ class OpenAIServing:
         try:
             return SamplingParams(**body.sampling_kwargs(default_max_tokens))
         except (ValueError, TypeError) as error:
-            raise APIError(400, str(error)) from None
+            # Its messages say `SamplingParams.top_p`; the request calls it `top_p`.
+            message = str(error).removeprefix(f"{SamplingParams.__name__}.")
+            raise APIError(400, message) from None
 
     def _ids(self, token_ids: list[int]) -> list[int] | None:
         """Token ids for a response: only a server without a tokenizer sends them."""
