@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from atom.distributed.node_layout import NodeLayout, torchrun_settings
 from atom.utils.arithmetic import ceil_div
+
+if TYPE_CHECKING:
+    import torch
 
 # A decode node of P/D (kv_consumer) needs KV transfer, which atom has not; it is
 # refused by name until then rather than accepted and run as a plain engine.
@@ -18,11 +19,9 @@ KV_ROLES = ("none", "kv_producer")
 NOT_YET_KV_ROLES = ("kv_consumer",)
 # Only methods with a drafter (`spec_decode/factory.py`) are offered.
 SPECULATIVE_METHODS = ("dspark",)
-DTYPES = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
+# Names of torch dtypes: torch is imported only where a dtype is resolved, so that
+# the command line builds its flags from this module without loading torch.
+DTYPES = ("float32", "bfloat16", "float16")
 # Settings the environment may give when the caller leaves them unset; read here only,
 # so no layer consults the environment and the start-up log shows what was chosen.
 PARTITION_ENV_VARS = ("ATOM_PP_LAYER_PARTITION", "VLLM_PP_LAYER_PARTITION")
@@ -365,17 +364,21 @@ class Config(EngineSettings):
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        if self.dtype != "auto":
-            return DTYPES[self.dtype]
-        name = (
-            self.hf_config.text.first_of(DTYPE_FIELDS)
-            or self.hf_config.first_of(DTYPE_FIELDS)
-            or "bfloat16"
-        )
-        return DTYPES.get(name, torch.bfloat16)
+        import torch
+
+        name = self.dtype
+        if name == "auto":
+            name = (
+                self.hf_config.text.first_of(DTYPE_FIELDS)
+                or self.hf_config.first_of(DTYPE_FIELDS)
+                or "bfloat16"
+            )
+        return getattr(torch, name if name in DTYPES else "bfloat16")
 
     @property
     def torch_device(self) -> torch.device:
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)

@@ -19,6 +19,7 @@ import logging
 import multiprocessing as mp
 import os
 import queue
+import signal
 import threading
 import time
 import traceback
@@ -140,6 +141,9 @@ def worker_main(
     """One rank. On a node other than 0 `tasks` and `results` are None: the rank
     talks to node 0 through its channel (node_relay.py)."""
     die_with_parent(parent_pid)
+    # Ctrl-C in a terminal reaches every process of its group; the engine process
+    # ends its ranks itself (close()), so a rank must not stop mid-collective.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=os.environ.get("ATOM_LOG_LEVEL", "INFO"))
     channel = None
     try:
