@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
 from dataclasses import dataclass, field
@@ -150,6 +151,35 @@ class EngineLimits:
     def num_state_slots(self) -> int:
         """Request slots 0..max_num_seqs-1, then the checkpoint slots."""
         return self.max_num_seqs + self.num_state_checkpoints
+
+    def check_draft_room(
+        self, room_bytes: int, block_bytes: int, row_bytes: int
+    ) -> None:
+        """Refuse a draft count whose state snapshots crowd the KV blocks of one
+        sequence out of `room_bytes` (what states and KV blocks may take together),
+        naming the largest count that fits. `row_bytes` is one state row of every
+        slot: a slot keeps its state and a snapshot per verify row (drafts + 2)."""
+        drafts = self.num_speculative_tokens
+
+        def fits(count: int) -> bool:
+            blocks = ceil_div(self.max_model_len - 1 + count, self.block_size)
+            return (count + 2) * row_bytes + blocks * block_bytes <= room_bytes
+
+        if not drafts or not row_bytes or fits(drafts):
+            return
+        # fits() only turns false as the count grows: the fitting counts lead.
+        largest = bisect.bisect_left(range(1, drafts), True, key=lambda c: not fits(c))
+        if largest == 0:  # not even one draft fits: check_kv_blocks says what does
+            return
+        raise ValueError(
+            f"num_speculative_tokens={drafts} (--num-speculative-tokens) is too "
+            "large for the cache: the recurrent states keep a snapshot per verify "
+            f"row, {(drafts + 2) * row_bytes / 2**30:.2f} GiB for "
+            f"{self.num_state_slots} state slots, which leaves no room in "
+            f"{room_bytes / 2**30:.2f} GiB for the {self.max_blocks_per_seq} KV "
+            f"blocks of one sequence of max_model_len={self.max_model_len}; at most "
+            f"{largest} draft tokens fit (or lower --max-num-seqs)"
+        )
 
     def check_kv_blocks(self, num_kv_blocks: int) -> None:
         """Refuse a KV cache too small for one sequence of max_model_len."""
