@@ -38,8 +38,11 @@ def read_prompts(args: argparse.Namespace) -> list[str] | list[list[int]]:
     if any(not prompt for prompt in prompts):
         refuse("generate", "--prompt is empty: give the text to continue")
     if args.prompts_file:
-        with open(args.prompts_file, encoding="utf-8") as file:
-            prompts += [line.rstrip("\n") for line in file if line.strip()]
+        try:
+            with open(args.prompts_file, encoding="utf-8") as file:
+                prompts += [line.rstrip("\n") for line in file if line.strip()]
+        except (OSError, UnicodeDecodeError) as error:
+            refuse("generate", f"--prompts-file: {error}")
     if args.skip_tokenizer_init:
         if not prompts:
             refuse(
