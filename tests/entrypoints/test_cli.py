@@ -109,6 +109,10 @@ def test_bad_sampling_values_are_clean_errors():
             ["generate", "--skip-tokenizer-init", "--prompt", "99999999"],
             "prompt token ids must lie in",
         ),
+        (
+            ["generate", "--max-model-len", "16", "--prompt", "and the LORD " * 20],
+            "leaves no room to generate within max_model_len=16",
+        ),
     ],
 )
 def test_user_mistakes_are_one_line_errors(args, message):
