@@ -109,13 +109,13 @@ def run_generate(args: argparse.Namespace) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> None:
-    try:
-        # Built once here only to refuse bad settings before anything starts.
-        EngineArgs.from_cli_args(args).create_config()
-    except (ValueError, TypeError) as error:
-        refuse("serve", error)
     raise_open_file_limit()
-    run_server(args)
+    try:
+        run_server(args)
+    except ValueError as error:
+        # What reaches here is the engine refusing its settings as it starts: a
+        # request's ValueError is its own 400, and a dead engine exits on its own.
+        refuse("serve", error)
 
 
 def add_generate_args(parser: FlexibleArgumentParser) -> FlexibleArgumentParser:

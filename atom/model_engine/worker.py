@@ -161,7 +161,14 @@ def worker_main(
             layout,
         )
         channel = rank_channel(layout, rank, tasks, results, lost)
-        runner, info = start_runner(config, device)
+        try:
+            runner, info = start_runner(config, device)
+        except ValueError as error:
+            # Settings this rank cannot run (say, drafts that leave no room for
+            # the cache): the user's to change, so the engine raises the message
+            # as a ValueError, as it does when it runs the only rank itself.
+            channel.put(("refused", rank, str(error)))
+            return
         reports = get_pp_group().is_last_rank and get_tp_group().is_first_rank
         if rank == 0:
             channel.put(("ready", info))
@@ -321,6 +328,12 @@ class WorkerGroup:
                         f"ranks sent nothing for {timeout:.0f} s"
                     ) from None
                 continue
+            if msg[0] == "refused":
+                _, rank, reason = msg
+                self.close()
+                raise ValueError(
+                    f"rank {rank} ({self.layout.describe_rank(rank)}): {reason}"
+                )
             if msg[0] == "error":
                 _, rank, tb = msg
                 failed = (

@@ -124,13 +124,22 @@ def test_user_mistakes_are_one_line_errors(args, message):
     assert last.startswith(f"atom {command}: error: ") and message in last, last
 
 
-def test_too_many_drafts_name_the_bound():
-    done = generate_process(
-        "--method", "dspark", "--num-speculative-tokens", "100", "--device", "cpu"
-    )
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["generate", "--num-speculative-tokens", "100"],
+        # Refused in a rank process, which hands the message to the engine.
+        ["generate", "-pp", "2", "--num-speculative-tokens", "400"],
+        ["serve", "-pp", "2", "--num-speculative-tokens", "400"],
+    ],
+)
+def test_too_many_drafts_name_the_bound(args):
+    done = atom_process(*args, "--method", "dspark", "--device", "cpu")
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
     last = done.stderr.strip().splitlines()[-1]
-    assert "num_speculative_tokens=100 (--num-speculative-tokens) is too large" in last
+    drafts = args[-1]
+    assert last.startswith(f"atom {args[0]}: error: "), last
+    assert f"num_speculative_tokens={drafts} (--num-speculative-tokens) is too " in last
     assert "at most" in last and "draft tokens fit" in last, last
 
 
