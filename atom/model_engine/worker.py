@@ -2,8 +2,9 @@
 
 The engine process schedules (it is the head of stage 0) and hands every rank each
 batch through that rank's queue; the last stage's TP rank 0 sends back the batch's one
-output message. A rank that fails reports its traceback; a rank that dies is noticed by
-liveness checks, so the engine raises instead of hanging. A rank never outlives the
+output message. A rank that fails reports its traceback (one that refuses its settings
+at start, only the reason, raised by the engine as ValueError); a rank that dies is
+noticed by liveness checks, so the engine raises instead of hanging. A rank never outlives the
 engine process (`die_with_parent`).
 
 Across nodes the engine process holds node 0's ranks only; rank 0 relays every task
