@@ -41,7 +41,7 @@ def runs_headless(args: argparse.Namespace) -> bool:
 
 def join_as_member(args: argparse.Namespace) -> tuple[Config, NodeMembership]:
     """This node's config, joined to node 0; NodeLayoutError on any refusal."""
-    config = EngineArgs.from_cli_args(args).create_config()
+    config = Config(**EngineArgs.from_cli_args(args).engine_kwargs())
     layout = config.node_layout
     if not layout.is_multinode or layout.node_rank == 0:
         raise NodeLayoutError(

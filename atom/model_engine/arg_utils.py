@@ -9,7 +9,6 @@ from atom.config import (
     DTYPES,
     KV_ROLES,
     SPECULATIVE_METHODS,
-    Config,
     EngineSettings,
     parse_partition,
 )
@@ -287,10 +286,6 @@ class EngineArgs(EngineSettings):
             for name, value in dataclasses.asdict(self).items()
             if value is not None and name not in CLI_ONLY_FIELDS
         }
-
-    def create_config(self) -> Config:
-        """The engine's resolved settings; ValueError names a setting it refuses."""
-        return Config(**self.engine_kwargs())
 
     def create_engine(self):
         # Imported here so that parsing flags never pulls in torch.
