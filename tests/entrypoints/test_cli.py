@@ -125,6 +125,24 @@ def test_user_mistakes_are_one_line_errors(args, message):
 
 
 @pytest.mark.parametrize(
+    "args, message",
+    [
+        (["generate", "--method", "eagle3"], "argument --method: invalid choice"),
+        (["serve", "--port", "8000"], "--port is not supported by atom"),
+        ([], "the following arguments are required: command"),
+    ],
+)
+def test_bad_flags_are_one_line_not_the_usage(args, message):
+    done = atom_process(*args)
+    assert done.returncode == 2
+    prog = " ".join(["atom", *args[:1]])
+    assert done.stderr.startswith(f"{prog}: error: {message}"), done.stderr
+    assert (
+        done.stderr.endswith(f"(see {prog} --help)\n") and done.stderr.count("\n") == 1
+    )
+
+
+@pytest.mark.parametrize(
     "args",
     [
         ["generate", "--num-speculative-tokens", "100"],
