@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from atom.distributed.node_layout import NodeLayout, torchrun_settings
 from atom.utils.arithmetic import ceil_div
+
+if TYPE_CHECKING:
+    import torch
 
 # A decode node of P/D (kv_consumer) needs KV transfer, which atom has not; it is
 # refused by name until then rather than accepted and run as a plain engine.
@@ -18,11 +20,9 @@ KV_ROLES = ("none", "kv_producer")
 NOT_YET_KV_ROLES = ("kv_consumer",)
 # Only methods with a drafter (`spec_decode/factory.py`) are offered.
 SPECULATIVE_METHODS = ("dspark",)
-DTYPES = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
+# Names of torch dtypes: torch is imported only where a dtype is resolved, so that
+# the command line builds its flags from this module without loading torch.
+DTYPES = ("float32", "bfloat16", "float16")
 # Settings the environment may give when the caller leaves them unset; read here only,
 # so no layer consults the environment and the start-up log shows what was chosen.
 PARTITION_ENV_VARS = ("ATOM_PP_LAYER_PARTITION", "VLLM_PP_LAYER_PARTITION")
@@ -151,6 +151,35 @@ class EngineLimits:
     def num_state_slots(self) -> int:
         """Request slots 0..max_num_seqs-1, then the checkpoint slots."""
         return self.max_num_seqs + self.num_state_checkpoints
+
+    def check_draft_room(
+        self, room_bytes: int, block_bytes: int, row_bytes: int
+    ) -> None:
+        """Refuse a draft count whose state snapshots crowd the KV blocks of one
+        sequence out of `room_bytes` (what states and KV blocks may take together),
+        naming the largest count that fits. `row_bytes` is one state row of every
+        slot: a slot keeps its state and a snapshot per verify row (drafts + 2)."""
+        drafts = self.num_speculative_tokens
+
+        def fits(count: int) -> bool:
+            blocks = ceil_div(self.max_model_len - 1 + count, self.block_size)
+            return (count + 2) * row_bytes + blocks * block_bytes <= room_bytes
+
+        if not drafts or not row_bytes or fits(drafts):
+            return
+        # fits() only turns false as the count grows: the fitting counts lead.
+        largest = bisect.bisect_left(range(1, drafts), True, key=lambda c: not fits(c))
+        if largest == 0:  # not even one draft fits: check_kv_blocks says what does
+            return
+        raise ValueError(
+            f"num_speculative_tokens={drafts} (--num-speculative-tokens) is too "
+            "large for the cache: the recurrent states keep a snapshot per verify "
+            f"row, {(drafts + 2) * row_bytes / 2**30:.2f} GiB for "
+            f"{self.num_state_slots} state slots, which leaves no room in "
+            f"{room_bytes / 2**30:.2f} GiB for the {self.max_blocks_per_seq} KV "
+            f"blocks of one sequence of max_model_len={self.max_model_len}; at most "
+            f"{largest} draft tokens fit (or lower --max-num-seqs)"
+        )
 
     def check_kv_blocks(self, num_kv_blocks: int) -> None:
         """Refuse a KV cache too small for one sequence of max_model_len."""
@@ -365,17 +394,21 @@ class Config(EngineSettings):
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        if self.dtype != "auto":
-            return DTYPES[self.dtype]
-        name = (
-            self.hf_config.text.first_of(DTYPE_FIELDS)
-            or self.hf_config.first_of(DTYPE_FIELDS)
-            or "bfloat16"
-        )
-        return DTYPES.get(name, torch.bfloat16)
+        import torch
+
+        name = self.dtype
+        if name == "auto":
+            name = (
+                self.hf_config.text.first_of(DTYPE_FIELDS)
+                or self.hf_config.first_of(DTYPE_FIELDS)
+                or "bfloat16"
+            )
+        return getattr(torch, name if name in DTYPES else "bfloat16")
 
     @property
     def torch_device(self) -> torch.device:
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)

@@ -14,7 +14,6 @@ import logging
 import os
 import signal
 from multiprocessing import connection
-from typing import Any
 
 from atom.config import Config
 from atom.distributed.dist_interface import use_node_interface
@@ -23,6 +22,7 @@ from atom.distributed.node_membership import NodeMembership
 from atom.model_engine.arg_utils import EngineArgs
 from atom.model_engine.worker import choose_backend, start_ranks
 from atom.model_loader.model_fingerprint import model_fingerprint
+from atom.utils.clean_exit import exit_cleanly_on
 
 logger = logging.getLogger(__name__)
 
@@ -37,10 +37,6 @@ def runs_headless(args: argparse.Namespace) -> bool:
     except NodeLayoutError as error:
         raise SystemExit(f"atom serve: {error}") from None
     return args.headless or torchrun.get("node_rank", 0) != 0
-
-
-def _exit_cleanly(signum: int, frame: Any) -> None:
-    raise SystemExit(0)
 
 
 def join_as_member(args: argparse.Namespace) -> tuple[Config, NodeMembership]:
@@ -83,7 +79,13 @@ def supervise(config: Config, nodes: NodeMembership, procs: list) -> int:
 
 
 def run_headless(args: argparse.Namespace) -> None:
-    signal.signal(signal.SIGTERM, _exit_cleanly)
+    with exit_cleanly_on(signal.SIGTERM, signal.SIGINT):
+        status = run_node(args)
+    raise SystemExit(status)
+
+
+def run_node(args: argparse.Namespace) -> int:
+    """Join node 0, run this node's ranks until the node ends; its exit status."""
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -93,7 +95,7 @@ def run_headless(args: argparse.Namespace) -> None:
         raise SystemExit(f"atom serve --headless: {error}") from None
     procs = start_ranks(config, None, None)
     try:
-        status = supervise(config, nodes, procs)
+        return supervise(config, nodes, procs)
     finally:
         for proc in procs:
             if proc.is_alive():
@@ -101,4 +103,3 @@ def run_headless(args: argparse.Namespace) -> None:
         for proc in procs:
             proc.join(timeout=STOP_GRACE_S)
         nodes.close()
-    raise SystemExit(status)

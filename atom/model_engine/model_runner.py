@@ -126,7 +126,10 @@ class ModelRunner:
             )
         else:
             budget = CPU_KV_BUDGET_BYTES - state
+        # A slot's state is its state row plus one snapshot row per verify row.
+        rows = 1 + self.cache.num_verify_rows
         self.cache = None
+        limits.check_draft_room(budget + state, per_block, state // rows)
         wanted = limits.max_num_seqs * limits.max_blocks_per_seq
         return max(1, min(wanted, budget // per_block))
 

@@ -2,8 +2,9 @@
 
 The engine process schedules (it is the head of stage 0) and hands every rank each
 batch through that rank's queue; the last stage's TP rank 0 sends back the batch's one
-output message. A rank that fails reports its traceback; a rank that dies is noticed by
-liveness checks, so the engine raises instead of hanging. A rank never outlives the
+output message. A rank that fails reports its traceback (one that refuses its settings
+at start, only the reason, raised by the engine as ValueError); a rank that dies is
+noticed by liveness checks, so the engine raises instead of hanging. A rank never outlives the
 engine process (`die_with_parent`).
 
 Across nodes the engine process holds node 0's ranks only; rank 0 relays every task
@@ -19,6 +20,7 @@ import logging
 import multiprocessing as mp
 import os
 import queue
+import signal
 import threading
 import time
 import traceback
@@ -140,6 +142,9 @@ def worker_main(
     """One rank. On a node other than 0 `tasks` and `results` are None: the rank
     talks to node 0 through its channel (node_relay.py)."""
     die_with_parent(parent_pid)
+    # Ctrl-C in a terminal reaches every process of its group; the engine process
+    # ends its ranks itself (close()), so a rank must not stop mid-collective.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=os.environ.get("ATOM_LOG_LEVEL", "INFO"))
     channel = None
     try:
@@ -157,7 +162,14 @@ def worker_main(
             layout,
         )
         channel = rank_channel(layout, rank, tasks, results, lost)
-        runner, info = start_runner(config, device)
+        try:
+            runner, info = start_runner(config, device)
+        except ValueError as error:
+            # Settings this rank cannot run (say, drafts that leave no room for
+            # the cache): the user's to change, so the engine raises the message
+            # as a ValueError, as it does when it runs the only rank itself.
+            channel.put(("refused", rank, str(error)))
+            return
         reports = get_pp_group().is_last_rank and get_tp_group().is_first_rank
         if rank == 0:
             channel.put(("ready", info))
@@ -317,6 +329,12 @@ class WorkerGroup:
                         f"ranks sent nothing for {timeout:.0f} s"
                     ) from None
                 continue
+            if msg[0] == "refused":
+                _, rank, reason = msg
+                self.close()
+                raise ValueError(
+                    f"rank {rank} ({self.layout.describe_rank(rank)}): {reason}"
+                )
             if msg[0] == "error":
                 _, rank, tb = msg
                 failed = (

@@ -9,6 +9,7 @@ loudly instead of being silently ignored.
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 
 def positive_int(text: str) -> int:
@@ -84,6 +85,11 @@ class FlexibleArgumentParser(argparse.ArgumentParser):
         # The action registry is shared with argument groups, so this reaches
         # flags added through groups as well.
         self.register("action", "store_true", _NegatableStoreTrue)
+
+    def error(self, message: str) -> NoReturn:
+        """One line instead of argparse's usage block, which for the engine's
+        dozens of flags buries the mistake; --help still lists them."""
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
     def add_unsupported_argument(self, *names: str, hint: str = "") -> None:
         """Register flags that exist in ROCm/ATOM but are rejected by atom."""

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import os
 
-from transformers import AutoTokenizer
-from transformers.utils import logging as hf_logging
-
 # Any one of these makes a folder loadable by AutoTokenizer (fast, sentencepiece,
 # BPE/WordPiece vocabularies, Kimi's tiktoken).
 TOKENIZER_FILES = (
@@ -29,6 +26,11 @@ TEXT_NEEDS_TOKENIZER = (
 def load_tokenizer(path: str, trust_remote_code: bool = False):
     """The folder's tokenizer, without transformers' warning about model types it
     does not know (kimi_k3), which concerns its model classes, not the tokenizer."""
+    # Imported here: transformers pulls in torch, and the server's modules import
+    # this one while `atom --help` builds its flags.
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     try:

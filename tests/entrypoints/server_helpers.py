@@ -19,7 +19,8 @@ STARTUP_TIMEOUT_S = 300
 
 
 class Server:
-    """`python -m atom.entrypoints.openai_server` with the given flags."""
+    """`python -m atom.entrypoints.openai_server` with the given flags, or another
+    `entrypoint` (`("atom.entrypoints.cli", "serve")`: the `atom serve` command)."""
 
     def __init__(
         self,
@@ -27,13 +28,14 @@ class Server:
         log_path: Path,
         env: dict[str, str] | None = None,
         api_key: str | None = None,
+        entrypoint: tuple[str, ...] = ("atom.entrypoints.openai_server",),
     ):
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.children: list[int] = []  # recorded once healthy
-        command = [sys.executable, "-m", "atom.entrypoints.openai_server"]
+        command = [sys.executable, "-m", *entrypoint]
         command += ["--server-port", str(self.port), "--device", "cpu", *flags]
         with open(log_path, "w") as log:
             self.process = subprocess.Popen(

@@ -149,9 +149,10 @@ def test_generate_without_tokenizer_refuses_text_prompts(bare_folder, flags, mes
 
 
 def test_generate_without_tokenizer_or_flags_names_both_flags(bare_folder):
-    with pytest.raises(ValueError) as error:
+    with pytest.raises(SystemExit) as error:
         atom_main(["generate", "--model", bare_folder, "--device", "cpu"])
-    message = str(error.value)
+    message = str(error.value.code)
+    assert message.startswith("atom generate: error: ")
     assert bare_folder in message and "--skip-tokenizer-init" in message
     assert "--tokenizer PATH" in message
 
