@@ -35,7 +35,7 @@ def runs_headless(args: argparse.Namespace) -> bool:
     try:
         torchrun = torchrun_settings(os.environ)
     except NodeLayoutError as error:
-        raise SystemExit(f"atom serve: {error}") from None
+        raise SystemExit(f"atom serve: error: {error}") from None
     return args.headless or torchrun.get("node_rank", 0) != 0
 
 

@@ -110,8 +110,12 @@ def test_bad_sampling_values_are_clean_errors():
             "prompt token ids must lie in",
         ),
         (
+            ["generate", "--max-model-len", "64", "--max-tokens", "5000"],
+            "max_tokens=5000 = ",
+        ),
+        (
             ["generate", "--max-model-len", "16", "--prompt", "and the LORD " * 20],
-            "leaves no room to generate within max_model_len=16",
+            "exceeds max_model_len=16",
         ),
     ],
 )

@@ -27,6 +27,7 @@ from atom.entrypoints.openai.request_guard import RequestGuard
 from atom.entrypoints.openai.serving import APIError, OpenAIServing, error_for
 from atom.model_engine.arg_utils import EngineArgs
 from atom.utils.arg_parser import FlexibleArgumentParser, positive_int
+from atom.utils.clean_exit import exit_cleanly
 
 logger = logging.getLogger(__name__)
 
@@ -256,10 +257,6 @@ def load_chat_template(value: str | None) -> str | None:
         return file.read()
 
 
-def _exit_cleanly(signum: int, frame: Any) -> None:
-    raise SystemExit(0)
-
-
 def run_server(args: argparse.Namespace) -> None:
     """Serve until SIGTERM / Ctrl-C (exit 0) or until the engine dies (exit 1, so
     that a supervisor restarts the server)."""
@@ -272,7 +269,7 @@ def run_server(args: argparse.Namespace) -> None:
     # uvicorn shuts down gracefully on SIGTERM and then re-raises the signal; as
     # SystemExit it unwinds through the `finally` below, which closes the engine
     # (and its worker processes) instead of dying with them still running.
-    signal.signal(signal.SIGTERM, _exit_cleanly)
+    signal.signal(signal.SIGTERM, exit_cleanly)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -289,7 +286,7 @@ def run_server(args: argparse.Namespace) -> None:
     try:
         async_engine.start()
     except NodeLayoutError as error:  # a refusal, not a crash: one line
-        raise SystemExit(f"atom serve: {error}") from None
+        raise SystemExit(f"atom serve: error: {error}") from None
     try:
         app = build_app(
             async_engine,
