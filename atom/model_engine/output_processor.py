@@ -22,6 +22,8 @@ class RequestOutput:
     finish_reason: str | None
     # Why this request failed (finish_reason "error"); the engine went on.
     error: str | None = None
+    # Seconds the request waited to be scheduled (Sequence.queue_time).
+    queue_time: float | None = None
 
 
 @dataclass
@@ -89,6 +91,7 @@ class OutputProcessor:
             finished=True,
             finish_reason="error",
             error=error,
+            queue_time=seq.queue_time,
         )
 
     def update(self, request_id: str) -> tuple[RequestOutput, bool]:
@@ -118,6 +121,7 @@ class OutputProcessor:
             new_text=new_text,
             finished=finished,
             finish_reason="stop" if hit else seq.finish_reason,
+            queue_time=seq.queue_time,
         )
         if finished:
             self.drop(request_id)

@@ -14,6 +14,7 @@ which is what makes scheduling ahead of the outputs safe.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
@@ -96,7 +97,7 @@ class Scheduler:
         return not self.waiting and not self.running
 
     def stats(self) -> dict[str, int | float]:
-        """Gauges and counters for /metrics (names without the `atom:` prefix)."""
+        """Gauges and counters for /metrics (entrypoints/openai/metrics.py names them)."""
         bm = self.block_manager
         return {
             "requests_running": len(self.running),
@@ -175,6 +176,9 @@ class Scheduler:
         seq.state_fork_src = fork_src
         seq.num_computed_tokens = seq.num_cached_tokens
         seq.status = SequenceStatus.RUNNING
+        # A preempted sequence is admitted again; its queue time ends the first time.
+        if seq.first_scheduled_time is None:
+            seq.first_scheduled_time = time.monotonic()
         return True
 
     def _usable_prefix(self, seq: Sequence) -> tuple[int, int | None]:

@@ -51,6 +51,8 @@ class Sequence:
         self.arrival_time: float = (
             arrival_time if arrival_time is not None else time.monotonic()
         )
+        # When the scheduler first admitted it (same clock); None while it waits.
+        self.first_scheduled_time: float | None = None
         self.finish_reason: str | None = None
 
         self.num_computed_tokens = 0
@@ -98,6 +100,13 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def queue_time(self) -> float | None:
+        """Seconds from arrival to the first admission; None until admitted."""
+        if self.first_scheduled_time is None:
+            return None
+        return self.first_scheduled_time - self.arrival_time
 
     @property
     def is_finished(self) -> bool:

@@ -53,15 +53,20 @@ class SpecDecodeStats:
         return 1 + self.total_accepted_tokens / self.num_steps
 
     @property
-    def per_position_acceptance(self) -> list[float]:
-        """rho_k for k = 1..T: share of steps that accepted at least k drafts."""
-        if not self.num_steps:
-            return [0.0] * self.num_speculative_tokens
-        rates, at_least = [], self.num_steps
+    def accepted_per_position(self) -> list[int]:
+        """For k = 1..T: verify steps that accepted at least k drafts, i.e. how
+        often the k-th draft was accepted."""
+        counts, at_least = [], self.num_steps
         for k in range(1, self.num_speculative_tokens + 1):
             at_least -= self.accepted_count[k - 1]
-            rates.append(at_least / self.num_steps)
-        return rates
+            counts.append(at_least)
+        return counts
+
+    @property
+    def per_position_acceptance(self) -> list[float]:
+        """rho_k for k = 1..T: share of steps that accepted at least k drafts."""
+        steps = max(self.num_steps, 1)
+        return [count / steps for count in self.accepted_per_position]
 
     @property
     def distribution(self) -> dict[int, float]:
@@ -88,6 +93,7 @@ class SpecDecodeStats:
             "total_accepted_tokens": self.total_accepted_tokens,
             "acceptance_rate": self.acceptance_rate,
             "avg_tokens_per_forward": self.avg_tokens_per_forward,
+            "accepted_per_position": self.accepted_per_position,
             "per_position_acceptance": self.per_position_acceptance,
             "distribution": self.distribution,
         }

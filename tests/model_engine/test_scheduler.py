@@ -121,7 +121,10 @@ def test_preemption_frees_the_sequence_and_recomputes_it_later():
     a, b = seq_of(range(10, 17), max_tokens=3), seq_of(range(20, 27), max_tokens=3)
     sched.add(a)
     sched.add(b)
+    assert b.queue_time is None  # not admitted yet
     run_until_sampled(sched)  # both prompts: 2 blocks each
+    first_admitted = b.first_scheduled_time
+    assert first_admitted is not None and b.queue_time >= 0
     step = sched.schedule()
     sched.postprocess(step, answer(step, [[60], [61]]))  # 9 tokens each
     step = sched.schedule()  # a takes the last block; b has none left
@@ -131,6 +134,8 @@ def test_preemption_frees_the_sequence_and_recomputes_it_later():
     sched.postprocess(step, answer(step, [[62]]))
     assert a.is_finished
     redo = sched.schedule()
+    # Queue time ends at the first admission; a readmission does not restart it.
+    assert b.first_scheduled_time == first_admitted
     (work,) = redo.work
     assert (work.seq_id, work.context_len, work.sample) == (b.seq_id, 0, True)
     assert work.token_ids == list(range(20, 27)) + [50, 61]

@@ -19,6 +19,9 @@ def test_variable_width_uses_per_position_rates():
         stats.record(drafted, accepted)
     rho = stats.per_position_acceptance
     assert rho == [4 / 5, 3 / 5, 1 / 5, 1 / 5]
+    # Counts of the same: how often the k-th draft was accepted, adding up to all.
+    assert stats.accepted_per_position == [4, 3, 1, 1]
+    assert sum(stats.accepted_per_position) == stats.total_accepted_tokens
     assert all(a >= b for a, b in zip(rho, rho[1:]))
     assert stats.avg_tokens_per_forward == pytest.approx(1 + sum(rho))
     assert stats.acceptance_rate == pytest.approx(9 / 14)
