@@ -124,8 +124,11 @@ def test_serve_pp2_tp4_dspark_answers_like_offline_pp1(offline, tmp_path):
     assert stats["enabled"] and stats["num_verify_steps"] > 0
     assert stats["total_draft_tokens"] >= 7 * stats["num_verify_steps"] // 2
     assert 0.0 <= stats["acceptance_rate"] <= 1.0
-    assert 'spec_decode_draft_tokens_total{model_name="tiny-kimi-k3"}' in metrics
-    assert "spec_decode_acceptance_rate" in metrics
+    assert (
+        f'vllm:spec_decode_num_draft_tokens_total{{model_name="tiny-kimi-k3"}} '
+        f'{float(stats["total_draft_tokens"])}'
+    ) in metrics
+    assert "vllm:spec_decode_num_accepted_tokens_per_pos_total{" in metrics
     assert code == 0, log.read_text()[-3000:]
     scan = scan_log(log.read_text())
     assert scan.marker_counts() == {"relay": 4, "kda_rollback": 8}

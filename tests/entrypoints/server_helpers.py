@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from atom.distributed.rank_process import free_port
 from tests.process_helpers import child_pids, survivors
@@ -84,11 +85,15 @@ class Server:
             base_url=self.base_url, headers=self.headers, timeout=120
         )
 
-    def metric(self, name: str) -> float:
-        for line in self.get("/metrics").text.splitlines():
-            if line.startswith(f"atom:{name}{{"):
-                return float(line.rsplit(" ", 1)[1])
-        raise AssertionError(f"atom:{name} missing from /metrics")
+    def metric(self, name: str, **labels: str) -> float:
+        """The value of the /metrics sample `name` (`vllm:prompt_tokens_total`,
+        `vllm:e2e_request_latency_seconds_count`) whose labels include `labels`."""
+        text = self.get("/metrics").text
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == name and labels.items() <= sample.labels.items():
+                    return sample.value
+        raise AssertionError(f"{name} {labels} missing from /metrics:\n{text}")
 
     def stop(self) -> None:
         """Kill the server if it still runs, then any child it had once healthy

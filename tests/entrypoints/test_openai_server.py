@@ -9,6 +9,7 @@ import time
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.entrypoints.server_helpers import REPO_ROOT, Server
 
@@ -207,7 +208,7 @@ def test_chat_errors(server):
 
 
 def test_client_disconnect_aborts_the_request(server):
-    before = server.metric("generation_tokens_total")
+    before = server.metric("vllm:generation_tokens_total")
     max_tokens = 4000
     body = {"prompt": "Go on and on:", "max_tokens": max_tokens, "ignore_eos": True}
     with httpx.Client(base_url=server.base_url, timeout=60) as client:
@@ -217,20 +218,32 @@ def test_client_disconnect_aborts_the_request(server):
             assert r.status_code == 200
             next(r.iter_lines())  # the first token arrived; now hang up
     deadline = time.monotonic() + 15
-    while server.metric("requests_running") + server.metric("requests_waiting") > 0:
+    while (
+        server.metric("vllm:num_requests_running")
+        + server.metric("vllm:num_requests_waiting")
+        > 0
+    ):
         assert time.monotonic() < deadline, "the abandoned request kept running"
         time.sleep(0.2)
-    assert server.metric("generation_tokens_total") - before < max_tokens
+    assert server.metric("vllm:generation_tokens_total") - before < max_tokens
 
 
 def test_metrics_are_prometheus_text(server):
     response = server.get("/metrics")
     assert response.headers["content-type"].startswith("text/plain")
-    text = response.text
-    for name in ["requests_running", "kv_cache_usage_ratio", "prompt_tokens_total"]:
-        assert f"# TYPE atom:{name} " in text
-    assert server.metric("generation_tokens_total") > 0
-    assert server.metric("kv_cache_blocks_total") > 0
+    families = {f.name: f for f in text_string_to_metric_families(response.text)}
+    for name, kind in [
+        ("vllm:num_requests_running", "gauge"),
+        ("vllm:kv_cache_usage_perc", "gauge"),
+        ("vllm:prompt_tokens", "counter"),
+        ("vllm:time_to_first_token_seconds", "histogram"),
+    ]:
+        assert families[name].type == kind
+        assert families[name].samples[0].labels["model_name"] == MODEL
+    assert server.metric("vllm:generation_tokens_total") > 0
+    assert server.metric("atom:kv_cache_blocks_total") > 0
+    # Without speculation there is nothing to count.
+    assert not [name for name in families if "spec_decode" in name]
 
 
 def test_benchmark_client_against_the_server(server, tmp_path):

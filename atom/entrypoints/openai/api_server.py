@@ -17,11 +17,7 @@ from starlette.exceptions import HTTPException
 
 from atom.distributed.node_layout import NodeLayoutError
 from atom.entrypoints.openai.async_engine import AsyncEngine, EngineDeadError
-from atom.entrypoints.openai.metrics import (
-    CONTENT_TYPE,
-    StatsLogger,
-    render_prometheus,
-)
+from atom.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics, StatsLogger
 from atom.entrypoints.openai.protocol import ModelCard, ModelList
 from atom.entrypoints.openai.request_guard import RequestGuard
 from atom.entrypoints.openai.serving import APIError, OpenAIServing, error_for
@@ -55,8 +51,13 @@ def build_app(
     but /health.
     """
     served_model_name = served_model_name or async_engine.model_name
+    server_metrics = ServerMetrics(served_model_name)
     serving = OpenAIServing(
-        async_engine, served_model_name, chat_template, default_chat_template_kwargs
+        async_engine,
+        served_model_name,
+        server_metrics,
+        chat_template,
+        default_chat_template_kwargs,
     )
     stats_logger = StatsLogger(async_engine, stats_log_interval_s)
 
@@ -145,7 +146,7 @@ def build_app(
             )
         except EngineDeadError as error:
             return error_for(error).response()
-        text = render_prometheus(stats, speculation, served_model_name)
+        text = server_metrics.exposition(stats, speculation)
         return Response(text, media_type=CONTENT_TYPE)
 
     @app.get("/debug/mtp_stats")

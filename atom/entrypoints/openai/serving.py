@@ -8,7 +8,7 @@ chunk, the optional usage chunk and `data: [DONE]` leave in one final write).
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from atom.entrypoints.openai.async_engine import AsyncEngine, EngineDeadError
+from atom.entrypoints.openai.metrics import ServerMetrics
 from atom.entrypoints.openai.protocol import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     ChatChoice,
@@ -135,11 +136,13 @@ class OpenAIServing:
         self,
         engine: AsyncEngine,
         served_model_name: str,
+        metrics: ServerMetrics,
         chat_template: str | None = None,
         default_chat_template_kwargs: dict[str, Any] | None = None,
     ):
         self.engine = engine
         self.served_model_name = served_model_name
+        self.metrics = metrics
         self.chat_template = chat_template
         self.default_chat_template_kwargs = default_chat_template_kwargs or {}
 
@@ -318,6 +321,12 @@ class OpenAIServing:
                     f"(size {self.engine.vocab_size})",
                 )
 
+    def _generate(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str
+    ) -> AsyncGenerator[Any, None]:
+        """The engine's outputs for one prompt, observed by the server metrics."""
+        return self.metrics.track(self.engine.generate(prompt, params, request_id))
+
     async def _run_all(
         self, prompts: list[str | list[int]], params: SamplingParams, request_id: str
     ) -> list[Any]:
@@ -326,9 +335,7 @@ class OpenAIServing:
         async def final_output(index: int, prompt: str | list[int]) -> Any:
             final = None
             suffix = f"-{index}" if len(prompts) > 1 else ""
-            async for output in self.engine.generate(
-                prompt, params, request_id + suffix
-            ):
+            async for output in self._generate(prompt, params, request_id + suffix):
                 final = output
             return final
 
@@ -361,7 +368,7 @@ class OpenAIServing:
         chunk: Callable[[Any, str | None], BaseModel],
         usage_chunk: Callable[[UsageInfo], BaseModel],
     ) -> StreamingResponse:
-        outputs = self.engine.generate(prompt, params, request_id)
+        outputs = self._generate(prompt, params, request_id)
         try:
             # Waiting for the first output means a rejected prompt still gets a
             # proper 4xx status instead of an error inside a 200 stream.
