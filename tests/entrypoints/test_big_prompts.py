@@ -1,13 +1,15 @@
-"""Big prompts against the real server.
+"""Big prompts and broken uploads against the real server.
 
 A text prompt too long for any context is refused on its size, before it is
 tokenized, and while two such prompts are in flight an unrelated short request
-is served about as fast as alone. Timings are ratios measured in the same test
+is served about as fast as alone. A client that leaves in the middle of its upload
+costs one log line, not a traceback. Timings are ratios measured in the same test
 (with a floor), never wall-clock thresholds, so a loaded machine does not fail
 them.
 """
 
 import asyncio
+import socket
 import time
 
 import httpx
@@ -23,6 +25,7 @@ BIG_PROMPT = "the quick brown fox jumps over the lazy dog; " * 155_000
 # as alone, plus SLACK_S for a loaded machine; before the size bound it took 40x.
 SLOWDOWN_FACTOR = 5
 SLACK_S = 1.0
+REACTION_DEADLINE_S = 30
 
 
 @pytest.fixture(scope="module")
@@ -89,3 +92,22 @@ def test_big_chat_prompt_is_refused_on_size(server):
     assert response.status_code == 400, response.text[:300]
     message = response.json()["error"]["message"]
     assert "max_model_len=" in message and "bytes" in message, message
+
+
+def test_client_leaving_mid_upload_costs_one_line(server):
+    body = b'{"prompt": "' + b"x" * 1_000_000 + b'"}'
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: test\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(head + body[: len(body) // 2])
+    deadline = time.monotonic() + REACTION_DEADLINE_S
+    while "left during the upload" not in server.log():
+        assert time.monotonic() < deadline, server.log()[-3000:]
+        time.sleep(0.2)
+    assert server.post("/v1/completions", SHORT).status_code == 200
+    log = server.log()
+    assert "Traceback" not in log and " ERROR " not in log, log[-3000:]
+    (line,) = [line for line in log.splitlines() if "left during the upload" in line]
+    assert " INFO " in line and "POST /v1/completions" in line, line
