@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+from typing import Any
 
 # Any one of these makes a folder loadable by AutoTokenizer (fast, sentencepiece,
 # BPE/WordPiece vocabularies, Kimi's tiktoken).
@@ -79,3 +81,49 @@ def engine_tokenizer(model: str, tokenizer: str | None, skip_tokenizer_init: boo
             "(skip_tokenizer_init=True) to take token-id prompts and return token ids"
         )
     return load_tokenizer(path)
+
+
+# Pre-tokenizers that only split or re-map text, never drop any of it ("Split" and
+# "Punctuation" do drop it with behavior "Removed", refused below).
+_KEEPING_PRE_TOKENIZERS = frozenset({"ByteLevel", "Digits", "Split", "Punctuation"})
+
+
+def _pre_tokenizers(spec: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """The pre-tokenizers of a tokenizer.json, a Sequence flattened."""
+    if spec is None:
+        return []
+    if spec["type"] == "Sequence":
+        return [p for inner in spec["pretokenizers"] for p in _pre_tokenizers(inner)]
+    return [spec]
+
+
+def max_bytes_per_token(tokenizer: Any) -> int | None:
+    """The most UTF-8 bytes of prompt text one token can stand for, or None when
+    this tokenizer gives no such bound.
+
+    The bound holds for a byte-level BPE (a Hugging Face fast tokenizer whose
+    pre-tokenizer includes ByteLevel and whose model is BPE) with no normalizer,
+    no pre-tokenizer that drops text and no added token that swallows the spaces
+    around it (lstrip / rstrip): there the tokens of a text spell out exactly its
+    bytes, and no byte is ever an unknown token. Each vocabulary entry is written
+    one character per byte (or is the added token's own text), so its UTF-8
+    length is at least the bytes it stands for; the longest entry bounds them
+    all. A text of B bytes is therefore at least ceil(B / bound) tokens.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None  # a slow or custom tokenizer: nothing to inspect
+    spec = json.loads(backend.to_str())
+    pre_tokenizers = _pre_tokenizers(spec.get("pre_tokenizer"))
+    if (
+        spec.get("normalizer") is not None
+        or spec["model"].get("type") != "BPE"
+        or all(p["type"] != "ByteLevel" for p in pre_tokenizers)
+        or any(
+            p["type"] not in _KEEPING_PRE_TOKENIZERS or p.get("behavior") == "Removed"
+            for p in pre_tokenizers
+        )
+        or any(t["lstrip"] or t["rstrip"] for t in spec.get("added_tokens", []))
+    ):
+        return None
+    return max(len(token.encode("utf-8")) for token in tokenizer.get_vocab())

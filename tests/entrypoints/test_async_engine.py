@@ -6,11 +6,16 @@ be read, a stop string whose check raises); engine and model are the real ones.
 
 import asyncio
 import logging
+import threading
 
 import pytest
 
 from atom import LLMEngine, SamplingParams
-from atom.entrypoints.openai.async_engine import AsyncEngine, RequestFailedError
+from atom.entrypoints.openai.async_engine import (
+    LARGE_TEXT_CHARS,
+    AsyncEngine,
+    RequestFailedError,
+)
 from atom.entrypoints.openai.serving import error_for
 
 SETTINGS = dict(device="cpu", max_model_len=128, max_num_seqs=8, block_size=16)
@@ -94,3 +99,54 @@ def test_unexpected_error_answers_an_id_and_logs_the_traceback(caplog):
     assert error_id.startswith("error-")
     (record,) = [r for r in caplog.records if error_id in r.getMessage()]
     assert record.exc_info is not None and record.exc_info[0] is KeyError
+
+
+class GatedTokenizer:
+    """Encodes a large text only once `release` is set, counting how many at once."""
+
+    def __init__(self):
+        self.release = threading.Event()
+        self.large_at_once = 0
+        self.most_large_at_once = 0
+        self._lock = threading.Lock()
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        if len(text) > LARGE_TEXT_CHARS:
+            with self._lock:
+                self.large_at_once += 1
+                self.most_large_at_once = max(
+                    self.most_large_at_once, self.large_at_once
+                )
+            self.release.wait()
+            with self._lock:
+                self.large_at_once -= 1
+        return [len(text)]
+
+
+def test_large_texts_queue_in_their_own_lane():
+    # Not started: encode() and prepare() need no engine, only the tokenizer.
+    async_engine = AsyncEngine(lambda: None)
+    tokenizer = GatedTokenizer()
+    async_engine.tokenizer = tokenizer
+    large = "x" * (LARGE_TEXT_CHARS + 1)
+
+    async def drive():
+        bigs = [asyncio.ensure_future(async_engine.encode(large)) for _ in range(3)]
+        try:
+            # Every preparation thread is still free for the small requests.
+            small = await asyncio.wait_for(
+                asyncio.gather(
+                    async_engine.encode("small"),
+                    async_engine.prepare(len, "parsed"),
+                    async_engine.encode("small too"),
+                ),
+                timeout=30,
+            )
+            assert small == [[5], 6, [9]]
+            assert not any(big.done() for big in bigs)
+        finally:
+            tokenizer.release.set()
+        return await asyncio.gather(*bigs)
+
+    assert asyncio.run(drive()) == [[LARGE_TEXT_CHARS + 1]] * 3
+    assert tokenizer.most_large_at_once == 1

@@ -7,7 +7,10 @@ asyncio queues fed with `loop.call_soon_threadsafe`.
 
 Work that concerns one request only (tokenizing its prompt, rendering its chat
 template) runs in a small pool of preparation threads instead, so a huge prompt
-delays itself and not everyone else's tokens. The tokenizer is shared read-only.
+delays itself and not everyone else's tokens. Texts over LARGE_TEXT_CHARS are
+tokenized one at a time in a lane of their own, so that big prompts wait for each
+other and never hold every preparation thread (which parse and tokenize the small
+requests too). The tokenizer is shared read-only.
 
 An exception caused by one request fails that request; the engine is dead only
 when the engine itself fails: a step raises, or a rank process ends. A monitor
@@ -34,6 +37,8 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 PREPARE_THREADS = 2
+# Far above any chat turn, far below the megabytes that take seconds to tokenize.
+LARGE_TEXT_CHARS = 256 * 1024
 # How often the rank monitor looks up from its wait to see whether to stop.
 RANK_POLL_S = 0.5
 # After a rank died: how long the engine thread gets to fail its requests before
@@ -120,6 +125,9 @@ class AsyncEngine:
         self._prepare_pool = ThreadPoolExecutor(
             PREPARE_THREADS, thread_name_prefix="atom-prepare"
         )
+        self._large_text_lane = ThreadPoolExecutor(
+            1, thread_name_prefix="atom-tokenize-large"
+        )
         self.model_name = ""
         self.max_model_len = 0
         self.vocab_size = 0
@@ -151,6 +159,7 @@ class AsyncEngine:
                 self._commands.put(_Shutdown())
         self._thread.join(timeout)
         self._prepare_pool.shutdown(wait=False, cancel_futures=True)
+        self._large_text_lane.shutdown(wait=False, cancel_futures=True)
 
     @property
     def is_healthy(self) -> bool:
@@ -164,16 +173,24 @@ class AsyncEngine:
 
     async def prepare(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """`fn(*args, **kwargs)` in a preparation thread: per-request CPU work."""
-        call = functools.partial(fn, *args, **kwargs)
-        return await asyncio.get_running_loop().run_in_executor(
-            self._prepare_pool, call
-        )
+        return await self._run_in(self._prepare_pool, fn, *args, **kwargs)
 
     async def encode(self, text: str) -> list[int]:
         """Token ids of a prompt, as the engine would tokenize it."""
         if self.tokenizer is None:
             raise ValueError(TEXT_NEEDS_TOKENIZER)
-        return await self.prepare(self.tokenizer.encode, text, add_special_tokens=False)
+        large = len(text) > LARGE_TEXT_CHARS
+        pool = self._large_text_lane if large else self._prepare_pool
+        return await self._run_in(
+            pool, self.tokenizer.encode, text, add_special_tokens=False
+        )
+
+    @staticmethod
+    async def _run_in(
+        pool: ThreadPoolExecutor, fn: Callable[..., T], *args: Any, **kwargs: Any
+    ) -> T:
+        call = functools.partial(fn, *args, **kwargs)
+        return await asyncio.get_running_loop().run_in_executor(pool, call)
 
     async def generate(
         self, prompt: str | list[int], params: Any, request_id: str | None = None

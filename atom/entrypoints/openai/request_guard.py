@@ -6,10 +6,13 @@ without the key every route but /health answers 401 (the API docs, /metrics and
 too, so that a 404 tells nothing about the routes), and a declared Content-Length
 over the limit answers 413 at once. A body of undeclared length (chunked) is read
 up to the limit and refused with 413 as soon as it passes it; a body within the
-limit is handed to the route from memory.
+limit is handed to the route from memory. A client that leaves before the end of
+its body is logged in one line and never reaches a route: there is no one left to
+answer, and the route would only fail reading the body.
 """
 
 import hmac
+import logging
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
@@ -19,6 +22,8 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[MutableMapping[str, Any], Receive, Send], Awaitable[None]]
+
+logger = logging.getLogger(__name__)
 
 # The liveness probe of a load balancer or supervisor, which holds no key.
 OPEN_PATHS = frozenset({"/health"})
@@ -40,11 +45,13 @@ class RequestGuard:
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
-        refusal = self._refusal(scope["path"], headers)
-        if refusal is None:
-            body, refusal = await self._read_body(receive)
-        if refusal is not None:
-            await self._answer(refusal, scope, receive, send)
+        body = self._refusal(scope["path"], headers) or await self._read_body(
+            scope, receive
+        )
+        if body is None:
+            return
+        if isinstance(body, APIError):
+            await self._answer(body, scope, receive, send)
             return
         replayed = False
 
@@ -76,23 +83,35 @@ class RequestGuard:
                 return self._too_large()
         return None
 
-    async def _read_body(self, receive: Receive) -> tuple[Message, APIError | None]:
-        """The whole body as one message, or a refusal once it passes the limit.
-        A disconnect before the end is handed on as it came."""
+    async def _read_body(
+        self, scope: MutableMapping[str, Any], receive: Receive
+    ) -> Message | APIError | None:
+        """The whole body as one message, a refusal once it passes the limit, or
+        None when the client left before the end of it."""
         chunks: list[bytes] = []
         size = 0
         while True:
             message = await receive()
             if message["type"] != "http.request":
-                return message, None
+                host, port = scope.get("client") or ("?", "?")
+                logger.info(
+                    "client %s:%s left during the upload of %s %s after %d body "
+                    "bytes; nothing answered",
+                    host,
+                    port,
+                    scope["method"],
+                    scope["path"],
+                    size,
+                )
+                return None
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_body_bytes:
-                return message, self._too_large()
+                return self._too_large()
             chunks.append(chunk)
             if not message.get("more_body", False):
                 body = b"".join(chunks)
-                return {"type": "http.request", "body": body, "more_body": False}, None
+                return {"type": "http.request", "body": body, "more_body": False}
 
     def _too_large(self) -> APIError:
         return APIError(

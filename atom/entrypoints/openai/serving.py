@@ -36,7 +36,7 @@ from atom.entrypoints.openai.protocol import (
     random_id,
 )
 from atom.sampling_params import SamplingParams
-from atom.utils.tokenizer import apply_chat_template
+from atom.utils.tokenizer import apply_chat_template, max_bytes_per_token
 
 logger = logging.getLogger(__name__)
 
@@ -145,6 +145,8 @@ class OpenAIServing:
         self.metrics = metrics
         self.chat_template = chat_template
         self.default_chat_template_kwargs = default_chat_template_kwargs or {}
+        # None: this tokenizer gives no bound, and text is judged once tokenized.
+        self.max_bytes_per_token = max_bytes_per_token(engine.tokenizer)
 
     # ---- endpoints ----
 
@@ -154,6 +156,7 @@ class OpenAIServing:
         prompts = body.prompts()
         for prompt in prompts:
             self._check_token_ids(prompt)
+            self._check_text_size(prompt, params.max_tokens)
         request_id = random_id("cmpl")
         if not body.stream:
             outputs = await unless_disconnected(
@@ -218,6 +221,8 @@ class OpenAIServing:
             )
         except Exception as error:
             raise APIError(400, f"messages: chat template failed: {error}") from None
+        # 1: the least any request asks for; its own max_tokens is judged below.
+        self._check_text_size(prompt, 1)
         # Tokenized here, not in generate(): the default max_tokens is what is left
         # of the context, and the engine refuses any request that does not fit.
         prompt = await self.engine.encode(prompt)
@@ -326,6 +331,27 @@ class OpenAIServing:
     ) -> AsyncGenerator[Any, None]:
         """The engine's outputs for one prompt, observed by the server metrics."""
         return self.metrics.track(self.engine.generate(prompt, params, request_id))
+
+    def _check_text_size(self, prompt: str | list[int], max_tokens: int) -> None:
+        """Refuse a text prompt that cannot fit the context on its size alone.
+
+        Tokenizing megabytes takes seconds, and a text of B bytes is at least
+        ceil(B / max_bytes_per_token) tokens (see max_bytes_per_token), so a
+        refusal here is one the engine would give after tokenizing, only sooner.
+        """
+        if not isinstance(prompt, str) or self.max_bytes_per_token is None:
+            return
+        size = len(prompt.encode("utf-8"))
+        fewest = -(-size // self.max_bytes_per_token)
+        limit = self.engine.max_model_len
+        if fewest + max_tokens > limit:
+            raise APIError(
+                400,
+                f"prompt of {size} bytes is at least {fewest} tokens (a token of "
+                f"this tokenizer spells at most {self.max_bytes_per_token} bytes); "
+                f"with max_tokens={max_tokens} it exceeds max_model_len={limit}: "
+                "shorten the prompt",
+            )
 
     async def _run_all(
         self, prompts: list[str | list[int]], params: SamplingParams, request_id: str
