@@ -248,14 +248,15 @@ class EngineSettings:
     draft_model: str | None = None
     # Drafts per decoding step; 0 once a Config is built without a speculative method.
     num_speculative_tokens: int = 1
-    # More than one machine (node_layout.py): node 0 serves, the others run ranks.
-    nnodes: int = 1
-    node_rank: int = 0
-    master_addr: str | None = None
-    master_port: int | None = None
-    dist_interface: str | None = None
-    join_timeout: float = 300.0
-    node_timeout: float = 30.0
+    # More than one machine: node 0 serves, the others run ranks. NodeLayout
+    # (node_layout.py) owns these settings' meaning and defaults.
+    nnodes: int = NodeLayout.nnodes
+    node_rank: int = NodeLayout.node_rank
+    master_addr: str | None = NodeLayout.master_addr
+    master_port: int | None = NodeLayout.master_port
+    dist_interface: str | None = NodeLayout.dist_interface
+    join_timeout: float = NodeLayout.join_timeout
+    node_timeout: float = NodeLayout.node_timeout
 
 
 @dataclass

@@ -36,6 +36,7 @@ from atom.entrypoints.openai.protocol import (
     random_id,
 )
 from atom.sampling_params import SamplingParams
+from atom.utils.arithmetic import ceil_div
 from atom.utils.tokenizer import apply_chat_template, max_bytes_per_token
 
 logger = logging.getLogger(__name__)
@@ -342,7 +343,7 @@ class OpenAIServing:
         if not isinstance(prompt, str) or self.max_bytes_per_token is None:
             return
         size = len(prompt.encode("utf-8"))
-        fewest = -(-size // self.max_bytes_per_token)
+        fewest = ceil_div(size, self.max_bytes_per_token)
         limit = self.engine.max_model_len
         if fewest + max_tokens > limit:
             raise APIError(
