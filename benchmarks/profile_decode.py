@@ -1,0 +1,141 @@
+"""Where a decode step's time goes: kernel tables and the host's share, on CUDA.
+
+Builds the checkpoint of `bench_vs_transformers.py` (same presets), starts one atom
+engine with CUDA graphs and, with `--eager`, one without, and at each batch size runs
+greedy decode under `torch.profiler`. Per run it prints the decode step's wall time,
+the GPU kernel time per step and their difference (the host's share that the GPU does
+not hide), the kernels per step, and the kernels that take the most time.
+
+    python benchmarks/profile_decode.py --device cuda --batch-sizes 1,128 --eager
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from bench_vs_transformers import (
+    DTYPES,
+    PRESETS,
+    build_checkpoint,
+    kimi_config,
+    random_prompts,
+    synchronize,
+)
+from torch.profiler import ProfilerActivity, profile
+
+from atom import LLMEngine, SamplingParams
+
+
+def kernel_times(prof: profile) -> dict[str, tuple[float, int]]:
+    """Kernel name -> (total microseconds, launches), device kernels only."""
+    table: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            entry = table[event.name]
+            entry[0] += event.device_time
+            entry[1] += 1
+    return {name: (total, count) for name, (total, count) in table.items()}
+
+
+def profile_run(
+    engine: LLMEngine,
+    prompts: list[list[int]],
+    steps: int,
+    label: str,
+    top: int,
+    device: str,
+) -> None:
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    engine.generate(prompts, params)  # warm-up at this batch size
+    start = time.perf_counter()
+    engine.generate(prompts, params)
+    synchronize(device)
+    prefill_s = time.perf_counter() - start
+    params = dataclasses.replace(params, max_tokens=steps + 1)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        engine.generate(prompts, params)
+        synchronize(device)
+        total_s = time.perf_counter() - start
+    step_ms = (total_s - prefill_s) / steps * 1e3
+    kernels = kernel_times(prof)
+    gpu_ms = sum(t for t, _ in kernels.values()) / 1e3 / (steps + 1)
+    launches = sum(n for _, n in kernels.values()) / (steps + 1)
+    print(
+        f"\n## {label}: decode step {step_ms:.2f} ms wall (profiled), GPU kernels "
+        f"{gpu_ms:.2f} ms/step, host share {step_ms - gpu_ms:.2f} ms, "
+        f"{launches:.0f} kernels/step"
+    )
+    ranked = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]
+    whole = sum(t for t, _ in kernels.values()) or 1.0
+    for name, (total, count) in ranked:
+        print(
+            f"{100 * total / whole:5.1f} %  {total / (steps + 1):8.1f} us/step "
+            f"{count / (steps + 1):6.1f}/step  {name[:110]}"
+        )
+    if "eager" in label:  # torch ops, named, only where there is no graph
+        print(
+            prof.key_averages().table(
+                sort_by="self_device_time_total",
+                row_limit=top,
+                max_name_column_width=50,
+            )
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="issue10")
+    parser.add_argument("--batch-sizes", default="1,128")
+    parser.add_argument("--input-len", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=16, help="decode steps profiled")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--eager", action="store_true", help="also profile eager")
+    parser.add_argument("--top", type=int, default=18)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--transformers-fla", action="store_true")
+    args = parser.parse_args()
+    preset = dataclasses.replace(PRESETS[args.preset], dtype=args.dtype)
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    config = kimi_config(preset)
+    limit = min(config.bos_token_id, config.eos_token_id, config.pad_token_id)
+    prompts = random_prompts(max(batches), args.input_len, limit, args.seed)
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / "kimi-linear"
+        build_checkpoint(preset, folder, args)
+        for eager in [False, True] if args.eager else [False]:
+            engine = LLMEngine(
+                str(folder),
+                device=args.device,
+                dtype=args.dtype,
+                max_num_seqs=max(batches),
+                max_model_len=args.input_len + args.steps + 16,
+                enable_prefix_caching=False,
+                enforce_eager=eager,
+            )
+            try:
+                for batch in batches:
+                    label = f"{'eager' if eager else 'graphs'}, batch {batch}"
+                    profile_run(
+                        engine,
+                        prompts[:batch],
+                        args.steps,
+                        label,
+                        args.top,
+                        args.device,
+                    )
+            finally:
+                engine.close()
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
