@@ -27,8 +27,8 @@ DTYPES = ("float32", "bfloat16", "float16")
 # so no layer consults the environment and the start-up log shows what was chosen.
 PARTITION_ENV_VARS = ("ATOM_PP_LAYER_PARTITION", "VLLM_PP_LAYER_PARTITION")
 KDA_BACKEND_ENV_VAR = "ATOM_KDA_BACKEND"
-# auto: fla's kernels on CUDA when importable, else torch (`model_ops/kda_backend.py`).
-KDA_BACKENDS = ("auto", "torch", "fla")
+# auto: triton on CUDA (fla prefill when importable), else torch (`model_ops/kda_backend.py`).
+KDA_BACKENDS = ("auto", "torch", "fla", "triton")
 
 
 # One fact, two spellings: transformers 5 writes `dtype` (and, for Kimi Linear,

@@ -1,20 +1,48 @@
-"""Where KDA recurrences run: pure torch everywhere, fla's Triton kernels on CUDA.
+"""Where KDA recurrences run: pure torch everywhere, Triton and fla kernels on CUDA.
 
 Every backend has the contract of `atom.model_ops.kda`: a batch of sequences padded to
-[B, T, h, D], q and k already L2-normalised, g the fp32 log-decay, beta fp32, start
-states value-first [B, h, Dv, Dk] fp32; outputs are fp32. `Config.kda_backend`
-(`ATOM_KDA_BACKEND=auto|torch|fla`) picks one (auto: fla when on CUDA and importable,
-else torch).
+[B, T, h, D], q and k already L2-normalised, g the fp32 log-decay, beta fp32, states
+value-first [h, Dv, Dk] fp32; outputs are fp32. Prefill takes the start states and
+returns the final ones; decode (and verify) works on the layer's state pool in place,
+so a kernel can read and write each sequence's slot itself. `Config.kda_backend`
+(`ATOM_KDA_BACKEND=auto|torch|fla|triton`) picks one; auto is triton on CUDA (atom's
+decode kernel, fla's chunked prefill when importable), torch elsewhere.
 """
 
 import importlib
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from atom.config import KDA_BACKENDS
+from atom.kernels import triton_available
 from atom.model_ops.kda import chunk_kda, recurrent_kda
 from atom.utils.forward_context import AttentionMetadata
+
+
+@dataclass(frozen=True)
+class StateSlots:
+    """A decode step's recurrent states: the layer's pool and each sequence's slot."""
+
+    pool: torch.Tensor  # [S, h, Dv, Dk] fp32
+    slots: torch.Tensor  # [B] long
+    fresh: torch.Tensor  # [B] bool: starts from a zero state
+    # [S, R, h, Dv, Dk]: on a verify step, the state after every row is kept here
+    # for the commit of the accepted prefix; None on plain decode.
+    snapshots: torch.Tensor | None = None
+
+    def gather(self) -> torch.Tensor:
+        """[B, h, Dv, Dk] start states (zeros for fresh sequences)."""
+        start = self.pool.index_select(0, self.slots)
+        return torch.where(self.fresh.view(-1, 1, 1, 1), 0, start)
+
+    def scatter(self, final: torch.Tensor, every_row: torch.Tensor | None) -> None:
+        """Store final states [B, h, Dv, Dk] (and the per-row ones on verify).
+        Caches hold values, never autograd history (training runs this path too)."""
+        if self.snapshots is not None:
+            self.snapshots[self.slots, : every_row.shape[1]] = every_row.detach()
+        self.pool.index_copy_(0, self.slots, final.detach())
 
 
 class KDABackend(Protocol):
@@ -41,12 +69,21 @@ class KDABackend(Protocol):
         v: torch.Tensor,
         g: torch.Tensor,
         beta: torch.Tensor,
-        state: torch.Tensor,
-        return_all_states: bool = False,
-    ) -> tuple[torch.Tensor, ...]:
-        """Few rows per sequence (decode / speculative verify), padded [B, T, ...];
-        with return_all_states also the state after every row [B, T, h, Dv, Dk]."""
+        states: StateSlots,
+    ) -> torch.Tensor:
+        """Few rows per sequence (decode / speculative verify), padded [B, T, ...]:
+        o [B, T, h, Dv]; the pool (and the snapshots on verify) updated in place."""
         ...
+
+
+def torch_decode(q, k, v, g, beta, states: StateSlots) -> torch.Tensor:
+    """The reference decode: gather, the token loop, scatter."""
+    every_row = states.snapshots is not None
+    o, final, *rows = recurrent_kda(
+        q, k, v, g, beta, states.gather(), return_all_states=every_row
+    )
+    states.scatter(final, rows[0] if every_row else None)
+    return o
 
 
 class TorchKDABackend:
@@ -57,10 +94,8 @@ class TorchKDABackend:
     def prefill(self, q, k, v, g, beta, state, metadata):
         return chunk_kda(q, k, v, g, beta, state)
 
-    def decode(self, q, k, v, g, beta, state, return_all_states=False):
-        return recurrent_kda(
-            q, k, v, g, beta, state, return_all_states=return_all_states
-        )
+    def decode(self, q, k, v, g, beta, states):
+        return torch_decode(q, k, v, g, beta, states)
 
 
 class FlaKDABackend:
@@ -100,10 +135,42 @@ class FlaKDABackend:
         )
         return metadata.pad(o[0]), final
 
-    def decode(self, q, k, v, g, beta, state, return_all_states=False):
-        if return_all_states:
-            return recurrent_kda(q, k, v, g, beta, state, return_all_states=True)
-        return self._run(self._recurrent, q, k, v, g, beta, state)
+    def decode(self, q, k, v, g, beta, states):
+        if states.snapshots is not None:
+            return torch_decode(q, k, v, g, beta, states)
+        o, final = self._run(self._recurrent, q, k, v, g, beta, states.gather())
+        states.scatter(final, None)
+        return o
+
+
+class TritonKDABackend:
+    """atom's decode kernel (`atom/kernels/kda_decode.py`): each sequence's state is
+    read from and written to its slot inside the kernel, verify snapshots too.
+    Prefill runs `prefill_backend` (fla's chunked kernels when importable)."""
+
+    name = "triton"
+
+    def __init__(self, prefill_backend: KDABackend) -> None:
+        self.prefill_backend = prefill_backend
+        self._decode = importlib.import_module(
+            "atom.kernels.kda_decode"
+        ).kda_decode_in_pool
+
+    def prefill(self, q, k, v, g, beta, state, metadata):
+        return self.prefill_backend.prefill(q, k, v, g, beta, state, metadata)
+
+    def decode(self, q, k, v, g, beta, states):
+        return self._decode(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            states.pool,
+            states.slots,
+            states.fresh,
+            states.snapshots,
+        )
 
 
 def fla_available() -> bool:
@@ -121,7 +188,7 @@ def select_kda_backend(device: torch.device | str, choice: str = "auto") -> KDAB
             f"unknown KDA backend {choice!r}; allowed: {', '.join(KDA_BACKENDS)}"
         )
     on_cuda = torch.device(device).type == "cuda"
-    if choice == "torch":
+    if choice == "torch" or (choice == "auto" and not on_cuda):
         return TorchKDABackend()
     if choice == "fla":
         if not on_cuda:
@@ -132,6 +199,12 @@ def select_kda_backend(device: torch.device | str, choice: str = "auto") -> KDAB
                 "is not importable"
             )
         return FlaKDABackend()
-    if on_cuda and fla_available():
-        return FlaKDABackend()
-    return TorchKDABackend()
+    if not triton_available(device):
+        if choice == "triton":
+            raise ValueError(
+                f"the triton KDA backend needs triton and a CUDA device (or "
+                f"TRITON_INTERPRET=1 on CPU), got {device}"
+            )
+        return FlaKDABackend() if fla_available() else TorchKDABackend()
+    prefill = FlaKDABackend() if on_cuda and fla_available() else TorchKDABackend()
+    return TritonKDABackend(prefill)

@@ -6,6 +6,7 @@ from atom.model_engine.batch import SeqWork
 from atom.model_engine.model_inputs import prepare_inputs
 from atom.model_ops.kda import chunk_kda, l2_normalize, recurrent_kda
 from atom.model_ops.kda_backend import (
+    StateSlots,
     TorchKDABackend,
     fla_available,
     select_kda_backend,
@@ -38,8 +39,8 @@ def test_config_resolves_the_backend_from_the_environment(monkeypatch):
     assert config.kda_backend == "torch"
     assert "KDA backend torch" in config.describe_settings()
     assert Config(model="tiny-kimi-linear", kda_backend="fla").kda_backend == "fla"
-    monkeypatch.setenv(KDA_BACKEND_ENV_VAR, "triton")
-    with pytest.raises(ValueError, match=f"{KDA_BACKEND_ENV_VAR}.*'triton'.*torch"):
+    monkeypatch.setenv(KDA_BACKEND_ENV_VAR, "cuda")
+    with pytest.raises(ValueError, match=f"{KDA_BACKEND_ENV_VAR}.*'cuda'.*torch"):
         Config(model="tiny-kimi-linear")
 
 
@@ -74,9 +75,17 @@ def test_torch_backend_runs_chunked_prefill_and_token_decode():
     o, final = backend.prefill(q, k, v, g, beta, state, metadata)
     o_ref, final_ref = chunk_kda(q, k, v, g, beta, state)
     assert torch.equal(o, o_ref) and torch.equal(final, final_ref)
-    _, _, snapshots = backend.decode(q, k, v, g, beta, state, return_all_states=True)
-    _, _, snapshots_ref = recurrent_kda(q, k, v, g, beta, state, return_all_states=True)
-    assert torch.equal(snapshots, snapshots_ref)
+    # Decode works in the pool: slots 3 and 1 of 4, the first sequence fresh.
+    pool = torch.randn(4, 2, 4, 8, generator=gen)
+    snapshots = torch.zeros(4, 9, 2, 4, 8)
+    slots, fresh = torch.tensor([3, 1]), torch.tensor([True, False])
+    start = torch.stack([torch.zeros(2, 4, 8), pool[1]])
+    o_ref, final_ref, rows_ref = recurrent_kda(
+        q, k, v, g, beta, start, return_all_states=True
+    )
+    o = backend.decode(q, k, v, g, beta, StateSlots(pool, slots, fresh, snapshots))
+    assert torch.equal(o, o_ref) and torch.equal(pool[slots], final_ref)
+    assert torch.equal(snapshots[slots], rows_ref)
 
 
 @pytest.mark.skipif(
@@ -104,10 +113,14 @@ def test_fla_backend_matches_torch_on_cuda():
     o_ref, final_ref = reference.prefill(q, k, v, g, beta, state, metadata)
     torch.testing.assert_close(o, o_ref, rtol=2e-3, atol=2e-3)
     torch.testing.assert_close(final, final_ref, rtol=2e-3, atol=2e-3)
-    few = (slice(None), slice(None, 2))
-    o, final = fla.decode(q[few], k[few], v[few], g[few], beta[few], state)
-    o_ref, final_ref = reference.decode(
-        q[few], k[few], v[few], g[few], beta[few], state
+    one = (slice(None), slice(None, 1))
+    pools = [state.clone(), state.clone()]
+    slots, fresh = torch.arange(seqs, device="cuda"), torch.zeros(seqs, dtype=bool)
+    o, o_ref = (
+        backend.decode(
+            q[one], k[one], v[one], g[one], beta[one], StateSlots(pool, slots, fresh)
+        )
+        for backend, pool in zip((fla, reference), pools)
     )
     torch.testing.assert_close(o, o_ref, rtol=2e-3, atol=2e-3)
-    torch.testing.assert_close(final, final_ref, rtol=2e-3, atol=2e-3)
+    torch.testing.assert_close(pools[0], pools[1], rtol=2e-3, atol=2e-3)

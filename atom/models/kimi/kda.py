@@ -6,6 +6,8 @@ convs, dt_bias, A_log, b_proj) keeps this rank's heads; o_proj reduces.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -18,7 +20,7 @@ from atom.model_ops.kda import (
     kda_output_norm_gate,
     l2_normalize,
 )
-from atom.model_ops.kda_backend import KDABackend, select_kda_backend
+from atom.model_ops.kda_backend import KDABackend, StateSlots, select_kda_backend
 from atom.model_ops.layernorm import RMSNorm
 from atom.model_ops.linear import (
     ColumnParallelLinear,
@@ -193,9 +195,6 @@ class KimiDeltaAttention(nn.Module):
         conv_in = torch.where(
             fresh.view(-1, 1, 1), 0, self.conv_state.index_select(0, slots)
         )
-        ssm_in = torch.where(
-            fresh.view(-1, 1, 1, 1), 0, self.ssm_state.index_select(0, slots)
-        )
         lengths = None
         if not metadata.query_len:
             lengths = metadata.query_start_loc.diff()
@@ -206,21 +205,22 @@ class KimiDeltaAttention(nn.Module):
             for part in conved.split(self.local_width, dim=-1)
         )
         q, k = l2_normalize(q), l2_normalize(k)
+        states = StateSlots(self.ssm_state, slots, fresh)
         if metadata.keeps_row_states:
             self._check_snapshot_rows(rows)
-            o, final, states = self._backend.decode(
-                q, k, v, log_decay, beta, ssm_in, return_all_states=True
-            )
-            self.ssm_snapshots[slots, :rows] = states.detach()
+            states = dataclasses.replace(states, snapshots=self.ssm_snapshots)
+            o = self._backend.decode(q, k, v, log_decay, beta, states)
             self.conv_snapshots[slots, :rows] = conv_state_after_each_row(
                 mixed, conv_in
             ).detach()
         elif rows == 1:
-            o, final = self._backend.decode(q, k, v, log_decay, beta, ssm_in)
+            o = self._backend.decode(q, k, v, log_decay, beta, states)
         else:
-            o, final = self._backend.prefill(q, k, v, log_decay, beta, ssm_in, metadata)
+            o, final = self._backend.prefill(
+                q, k, v, log_decay, beta, states.gather(), metadata
+            )
+            states.scatter(final, None)
         # Caches hold values, never autograd history (training runs this forward too).
-        self.ssm_state.index_copy_(0, slots, final.detach())
         self.conv_state.index_copy_(0, slots, conv_out.detach())
         return o
 

@@ -1,0 +1,62 @@
+"""atom/kernels/kda_decode.py against the torch decode (gather, token loop, scatter)."""
+
+import pytest
+import torch
+
+from atom.kernels import triton_available
+from atom.model_ops.kda import l2_normalize
+from atom.model_ops.kda_backend import StateSlots, select_kda_backend, torch_decode
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def step_inputs(device, seqs, rows, heads, dim, value_dtype):
+    gen = torch.Generator(device=device).manual_seed(rows)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, device=device)
+
+    # q, k, v as the layer makes them: views of one conv output, strided.
+    mixed = randn(seqs, rows, 3 * heads * dim).to(value_dtype)
+    q, k, v = (
+        part.reshape(seqs, rows, heads, dim) for part in mixed.split(heads * dim, -1)
+    )
+    g = -torch.rand(seqs, rows, heads, dim, generator=gen, device=device)
+    beta = torch.rand(seqs, rows, heads, generator=gen, device=device)
+    return l2_normalize(q), l2_normalize(k), v, g, beta
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("rows,verify", [(1, False), (4, True)])
+def test_kernel_updates_the_pool_as_the_torch_decode_does(device, rows, verify):
+    if not triton_available(device):
+        pytest.skip("triton cannot run here")
+    seqs, heads, dim, num_slots = 3, 2, 16, 6
+    value_dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    q, k, v, g, beta = step_inputs(device, seqs, rows, heads, dim, value_dtype)
+    gen = torch.Generator(device=device).manual_seed(7)
+    pool = torch.randn(num_slots, heads, dim, dim, generator=gen, device=device)
+    snapshots = torch.zeros(num_slots, 5, heads, dim, dim, device=device)
+    slots = torch.tensor([4, 0, 2], device=device)
+    fresh = torch.tensor([False, True, False], device=device)
+    pools = [pool.clone(), pool.clone()]
+    snaps = [snapshots.clone(), snapshots.clone()] if verify else [None, None]
+    triton = select_kda_backend(device, "triton")
+    assert triton.name == "triton"
+    o = triton.decode(q, k, v, g, beta, StateSlots(pools[0], slots, fresh, snaps[0]))
+    o_ref = torch_decode(q, k, v, g, beta, StateSlots(pools[1], slots, fresh, snaps[1]))
+    torch.testing.assert_close(o, o_ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(pools[0], pools[1], rtol=1e-4, atol=1e-4)
+    # Slots no sequence names are left alone.
+    untouched = [1, 3, 5]
+    assert torch.equal(pools[0][untouched], pool[untouched])
+    if verify:
+        torch.testing.assert_close(snaps[0], snaps[1], rtol=1e-4, atol=1e-4)
+
+
+def test_triton_backend_needs_triton_on_its_device(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="triton KDA backend"):
+        select_kda_backend("cpu", "triton")
+    assert select_kda_backend("cpu").name == "torch"
