@@ -29,6 +29,9 @@ PARTITION_ENV_VARS = ("ATOM_PP_LAYER_PARTITION", "VLLM_PP_LAYER_PARTITION")
 KDA_BACKEND_ENV_VAR = "ATOM_KDA_BACKEND"
 # auto: triton on CUDA (fla prefill when importable), else torch (`model_ops/kda_backend.py`).
 KDA_BACKENDS = ("auto", "torch", "fla", "triton")
+ATTENTION_BACKEND_ENV_VAR = "ATOM_ATTENTION_BACKEND"
+# auto: triton on CUDA, else torch (`model_ops/attention_backend.py`).
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
 # One fact, two spellings: transformers 5 writes `dtype` (and, for Kimi Linear,
@@ -267,6 +270,8 @@ class Config(EngineSettings):
     hf_config: HFConfig = field(default_factory=HFConfig)
     # Where KDA recurrences run; None: $ATOM_KDA_BACKEND, else auto.
     kda_backend: str | None = None
+    # Where paged attention runs; None: $ATOM_ATTENTION_BACKEND, else auto.
+    attention_backend: str | None = None
     # Built from method, draft_model and num_speculative_tokens.
     speculative_config: SpeculativeConfig | None = field(default=None, init=False)
     # Set under torchrun, whose agent serves the rendezvous store itself.
@@ -327,19 +332,23 @@ class Config(EngineSettings):
             self.pp_layer_partition = text
         if isinstance(self.pp_layer_partition, str):
             self.pp_layer_partition = parse_partition(self.pp_layer_partition)
-        if self.kda_backend is None:
-            self.kda_backend = os.environ.get(KDA_BACKEND_ENV_VAR) or "auto"
-        self.kda_backend = self.kda_backend.lower()
-        if self.kda_backend not in KDA_BACKENDS:
-            raise ValueError(
-                f"kda_backend ({KDA_BACKEND_ENV_VAR}) {self.kda_backend!r}; "
-                f"allowed: {', '.join(KDA_BACKENDS)}"
-            )
+        self.kda_backend = _backend_setting(
+            "kda_backend", self.kda_backend, KDA_BACKEND_ENV_VAR, KDA_BACKENDS
+        )
+        self.attention_backend = _backend_setting(
+            "attention_backend",
+            self.attention_backend,
+            ATTENTION_BACKEND_ENV_VAR,
+            ATTENTION_BACKENDS,
+        )
 
     def describe_settings(self) -> str:
         """The settings that the environment may give, as resolved (start-up log)."""
         partition = self.pp_layer_partition or "even split"
-        return f"pp layer partition {partition}, KDA backend {self.kda_backend}"
+        return (
+            f"pp layer partition {partition}, KDA backend {self.kda_backend}, "
+            f"attention backend {self.attention_backend}"
+        )
 
     @property
     def parallel_config(self) -> ParallelConfig:
@@ -413,6 +422,18 @@ class Config(EngineSettings):
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
+
+
+def _backend_setting(
+    name: str, value: str | None, env_var: str, allowed: tuple[str, ...]
+) -> str:
+    """A backend choice as given, else from `env_var`, else auto; checked."""
+    chosen = (value or os.environ.get(env_var) or "auto").lower()
+    if chosen not in allowed:
+        raise ValueError(
+            f"{name} ({env_var}) {chosen!r}; allowed: {', '.join(allowed)}"
+        )
+    return chosen
 
 
 def is_context_only_producer(config: Config) -> bool:

@@ -1,34 +1,84 @@
-"""RMSNorm computed in fp32, plain (x̂ * w) or Gemma-style (x̂ * (1 + w))."""
+"""RMSNorm computed in fp32, plain (x̂ * w) or Gemma-style (x̂ * (1 + w)).
+
+On CUDA the norm runs as one Triton kernel (`atom/kernels/rms_norm.py`); on CPU, and
+wherever autograd needs the graph (training), as the torch reference.
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from atom.kernels import triton_installed
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+_HAS_TRITON = triton_installed()
+
+
+def rms_norm_reference(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, weight_offset: float = 0.0
+) -> torch.Tensor:
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (xf * weight.float()).to(x.dtype)
+    return (xf * (weight.float() + weight_offset)).to(x.dtype)
+
+
+def _use_kernel(x: torch.Tensor) -> bool:
+    return _HAS_TRITON and x.is_cuda and not torch.is_grad_enabled()
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, weight_offset: float = 0.0
+) -> torch.Tensor:
+    """x̂ * (w + weight_offset) in x.dtype, x̂ = x / rms(x) over the last dim."""
+    if _use_kernel(x):
+        from atom.kernels.rms_norm import rms_norm_triton
+
+        return rms_norm_triton(x, weight, eps, weight_offset)
+    return rms_norm_reference(x, weight, eps, weight_offset)
+
+
+def add_rms_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    weight_offset: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual): a decoder layer's add, then norm,
+    as one kernel on CUDA."""
+    if _use_kernel(x):
+        from atom.kernels.rms_norm import rms_norm_triton
+
+        return rms_norm_triton(x, weight, eps, weight_offset, residual=residual)
+    summed = x + residual
+    return rms_norm_reference(summed, weight, eps, weight_offset), summed
 
 
 class RMSNorm(nn.Module):
+    # What the norm multiplies by is weight + weight_offset.
+    weight_offset = 0.0
+
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps, self.weight_offset)
+
+    def add_and_norm(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual)."""
+        return add_rms_norm(x, residual, self.weight, self.eps, self.weight_offset)
 
 
 class GemmaRMSNorm(RMSNorm):
     """The weight is an offset from 1 (zeros at init): x̂ * (1 + w), cast after the
     multiply. A plain RMSNorm on such a checkpoint would scale by w alone."""
 
+    weight_offset = 1.0
+
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__(hidden_size, eps)
         self.weight.data.zero_()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, 1.0 + self.weight.float(), self.eps)

@@ -1,7 +1,7 @@
 """Grouped-query attention over a paged cache of full key / value rows, batched.
 
 A cache row holds one token's keys and values for this rank's KV heads (a layer may
-append more, e.g. an index key); `paged_mla.write_kv` / `gather_kv` store and read
+append more, e.g. an index key); `paged_cache.write_kv` / `gather_kv` store and read
 rows of any width. Queries are padded per sequence [B, Q, hq, d]; `visible`
 [B, g, Q, S] (`visibility.py`) marks the keys each query row may attend to, g = 1 (all heads alike)
 or g = hkv (one mask per KV group, as block-sparse attention selects).

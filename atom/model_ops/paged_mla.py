@@ -23,25 +23,7 @@ import torch.nn.functional as F
 ABSORB_MAX_QUERY_LEN = 16
 
 
-def write_kv(
-    kv_cache: torch.Tensor, slot_mapping: torch.Tensor, rows: torch.Tensor
-) -> None:
-    """Store `rows` [N, D] at flat slots (block * block_size + offset).
-
-    Caches hold values only: what is written carries no autograd history.
-    """
-    flat = kv_cache.view(-1, kv_cache.shape[-1])
-    flat.index_copy_(0, slot_mapping, rows.detach().to(kv_cache.dtype))
-
-
-def gather_kv(kv_cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-    """[B, W * block_size, D]: every sequence's cached rows in position order."""
-    num_seqs, width = block_tables.shape
-    rows = kv_cache.index_select(0, block_tables.reshape(-1))
-    return rows.view(num_seqs, width * kv_cache.shape[1], kv_cache.shape[2])
-
-
-def _split_kv_b(
+def split_kv_b(
     kv_b_weight: torch.Tensor, heads: int, v_dim: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(W_uk [h, d_nope, c], W_uv [h, d_v, c]) as views of kv_b_weight."""
@@ -62,7 +44,7 @@ def absorbed_attention(
     """Latent-space attention: [B, Q, h, d_v] fp32 from keys [B, S, c + r]."""
     heads = q_nope.shape[2]
     rank = kv_b_weight.shape[-1]
-    w_uk, w_uv = _split_kv_b(kv_b_weight, heads, v_dim)
+    w_uk, w_uv = split_kv_b(kv_b_weight, heads, v_dim)
     c_kv, k_pe = keys[..., :rank], keys[..., rank:]
     q_latent = torch.einsum("bqhd,hdc->bqhc", q_nope, w_uk.to(q_nope.dtype))
     scores = torch.einsum("bqhc,bsc->bhqs", q_latent, c_kv.to(q_latent.dtype)).float()

@@ -22,7 +22,7 @@ from atom.model_ops.activation import SiluAndMul
 from atom.model_ops.gated_mlp import GatedMLP
 from atom.model_ops.layernorm import RMSNorm
 from atom.model_ops.linear import ReplicatedLinear
-from atom.model_ops.paged_mla import gather_kv
+from atom.model_ops.paged_cache import gather_kv
 from atom.model_ops.visibility import block_pass_visibility
 from atom.utils.forward_context import ForwardContext, set_forward_context
 

@@ -25,7 +25,8 @@ from atom.model_ops.linear import (
     RowParallelLinear,
     divide,
 )
-from atom.model_ops.paged_mla import latent_attention, write_kv
+from atom.model_ops.paged_cache import write_kv
+from atom.model_ops.paged_mla import latent_attention
 from atom.model_ops.rotary_embedding import RotaryEmbedding
 from atom.models.dspark_base import DraftAttention, DSparkDraft, DSparkLayer
 from atom.models.kimi.dspark_config import DSparkDraftConfig

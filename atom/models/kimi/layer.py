@@ -32,6 +32,7 @@ class KimiDecoderLayer(nn.Module):
         layer_idx: int,
         prefix: str = "",
         kda_backend: str = "auto",
+        attention_backend: str = "auto",
     ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
@@ -41,7 +42,9 @@ class KimiDecoderLayer(nn.Module):
                 config, f"{prefix}.self_attn", kda_backend
             )
         else:
-            self.self_attn = KimiMLAttention(config, f"{prefix}.self_attn")
+            self.self_attn = KimiMLAttention(
+                config, f"{prefix}.self_attn", attention_backend
+            )
         if config.is_moe_layer(layer_idx):
             self.block_sparse_moe = KimiMoE(config)
         else:
@@ -74,12 +77,16 @@ class KimiDecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         block_residual: torch.Tensor | None = None,
     ) -> LayerOutput:
-        stream = hidden_states if residual is None else residual + hidden_states
         if self.block_size is None:
-            attn_out = self.self_attn(positions, self.input_layernorm(stream))
-            stream = stream + attn_out
-            ffn_out = self._ffn(self.post_attention_layernorm(stream))
-            return ffn_out, stream, None
+            if residual is None:
+                stream = hidden_states
+                x = self.input_layernorm(stream)
+            else:
+                x, stream = self.input_layernorm.add_and_norm(hidden_states, residual)
+            attn_out = self.self_attn(positions, x)
+            z, stream = self.post_attention_layernorm.add_and_norm(attn_out, stream)
+            return self._ffn(z), stream, None
+        stream = hidden_states if residual is None else residual + hidden_states
         if block_residual is None:
             raise ValueError(
                 f"AttnRes layer {self.layer_idx} needs block_residual (the bank)"

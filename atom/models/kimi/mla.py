@@ -11,20 +11,21 @@ import torch
 from torch import nn
 
 from atom.distributed.parallel_state import get_tp_group
+from atom.model_ops.attention_backend import MLABackend, select_mla_backend
 from atom.model_ops.layernorm import RMSNorm
 from atom.model_ops.linear import (
     ColumnParallelLinear,
     ReplicatedLinear,
     RowParallelLinear,
 )
-from atom.model_ops.paged_mla import gather_kv, latent_attention, write_kv
-from atom.model_ops.visibility import causal_visibility
 from atom.models.kimi.config import KimiTextConfig
 from atom.utils.forward_context import require_metadata
 
 
 class KimiMLAttention(nn.Module):
-    def __init__(self, config: KimiTextConfig, prefix: str = "") -> None:
+    def __init__(
+        self, config: KimiTextConfig, prefix: str = "", backend: str = "auto"
+    ) -> None:
         super().__init__()
         self.prefix = prefix
         hidden = config.hidden_size
@@ -56,6 +57,9 @@ class KimiMLAttention(nn.Module):
         self.kv_cache_dim = config.kv_latent_dim
         self.kv_cache_dtype: torch.dtype | None = None
         self.kv_cache: torch.Tensor | None = None
+        # `Config.attention_backend`; resolved on the first forward (its device).
+        self.backend_choice = backend
+        self._backend: MLABackend | None = None
 
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
         self.kv_cache = kv_cache
@@ -78,22 +82,19 @@ class KimiMLAttention(nn.Module):
             [self.kv_lora_rank, self.rope_dim], dim=-1
         )
         latent = torch.cat([self.kv_a_layernorm(c_kv), k_pe], dim=-1)
-        write_kv(self.kv_cache, metadata.slot_mapping, latent)
-        if metadata.all_fresh:
-            # Nothing cached is older than this forward: attend to its own rows.
-            keys = metadata.pad(latent)
-        else:
-            keys = gather_kv(self.kv_cache, metadata.block_tables)
-        o = latent_attention(
-            metadata.pad(q_nope),
-            metadata.pad(q_pe),
-            keys,
+        if self._backend is None:
+            self._backend = select_mla_backend(x.device, self.backend_choice)
+        o = self._backend.forward(
+            q_nope,
+            q_pe,
+            latent,
+            self.kv_cache,
             self.kv_b_proj.weight,
             self.v_dim,
             self.scale,
-            causal_visibility(metadata.query_positions, keys.shape[1]),
+            metadata,
         )
-        o = metadata.unpad(o).reshape(x.shape[0], self.heads * self.v_dim)
+        o = o.reshape(x.shape[0], self.heads * self.v_dim)
         if self.use_output_gate:
             o = o * torch.sigmoid(self.g_proj(x).float())
         return self.o_proj(o.to(x.dtype))

@@ -55,7 +55,11 @@ class KimiLinearModel(PipelineTextStack):
         super().__init__()
         text = text_config_of(config)
         self.attn_res = text.uses_attn_res
-        layer_class = partial(KimiDecoderLayer, kda_backend=config.kda_backend)
+        layer_class = partial(
+            KimiDecoderLayer,
+            kda_backend=config.kda_backend,
+            attention_backend=config.attention_backend,
+        )
         self.build_stage(config, text, layer_class, prefix)
         quantization = config.hf_config.text.get("quantization_config")
         declare_mxfp4_experts(self, quantization, prefix)

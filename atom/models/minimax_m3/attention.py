@@ -17,7 +17,7 @@ from atom.model_ops.block_sparse import block_sparse_visibility
 from atom.model_ops.layernorm import GemmaRMSNorm
 from atom.model_ops.linear import HeadParallelLinear, RowParallelLinear
 from atom.model_ops.paged_attention import gqa_attention
-from atom.model_ops.paged_mla import gather_kv, write_kv
+from atom.model_ops.paged_cache import gather_kv, write_kv
 from atom.model_ops.rotary_embedding import RotaryEmbedding
 from atom.model_ops.visibility import sequence_visibility
 from atom.models.minimax_m3.config import MiniMaxM3TextConfig

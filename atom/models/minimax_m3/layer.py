@@ -40,10 +40,15 @@ class MiniMaxM3DecoderLayer(nn.Module):
         hidden_states: torch.Tensor,
         residual: torch.Tensor | None,
     ) -> LayerOutput:
-        stream = hidden_states if residual is None else residual + hidden_states
-        stream = stream + self.self_attn(positions, self.input_layernorm(stream))
+        if residual is None:
+            stream = hidden_states
+            x = self.input_layernorm(stream)
+        else:
+            x, stream = self.input_layernorm.add_and_norm(hidden_states, residual)
+        attn_out = self.self_attn(positions, x)
+        z, stream = self.post_attention_layernorm.add_and_norm(attn_out, stream)
         ffn = self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
-        return ffn(self.post_attention_layernorm(stream)), stream
+        return ffn(z), stream
 
     def aux_hidden_state(self, output: LayerOutput) -> torch.Tensor:
         """The DSpark tap of this layer: the residual stream after it (the

@@ -66,7 +66,7 @@ class MiniMaxM3Model(PipelineTextStack):
             hidden, residual = layer(positions, hidden, residual)
         if not pp.is_last_rank:
             return IntermediateTensors({"hidden_states": hidden, "residual": residual})
-        return self.norm(residual + hidden)
+        return self.norm.add_and_norm(hidden, residual)[0]
 
 
 class MiniMaxM3SparseForCausalLM(PipelineCausalLM):

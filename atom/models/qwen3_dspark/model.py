@@ -32,7 +32,7 @@ from atom.model_ops.linear import (
     RowParallelLinear,
 )
 from atom.model_ops.paged_attention import gqa_attention
-from atom.model_ops.paged_mla import write_kv
+from atom.model_ops.paged_cache import write_kv
 from atom.model_ops.rotary_embedding import RotaryEmbedding
 from atom.models.dspark_base import DraftAttention, DSparkDraft, DSparkLayer
 from atom.models.qwen3_dspark.config import Qwen3DSparkConfig

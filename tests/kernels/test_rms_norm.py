@@ -1,0 +1,41 @@
+"""atom/kernels/rms_norm.py against the torch reference of atom/model_ops/layernorm.py."""
+
+import pytest
+import torch
+
+from atom.kernels import triton_available
+from atom.model_ops.layernorm import rms_norm_reference
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+CASES = [
+    (device, dtype)
+    for device in DEVICES
+    for dtype in [torch.float32] + ([torch.bfloat16] if device == "cuda" else [])
+]
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize("device,dtype", CASES)
+@pytest.mark.parametrize("weight_offset", [0.0, 1.0])
+def test_norm_and_add_then_norm_equal_the_reference(device, dtype, weight_offset):
+    if not triton_available(device):
+        pytest.skip("triton cannot run here")
+    from atom.kernels.rms_norm import rms_norm_triton
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    width = 72  # not a power of two: the row block is masked
+    wide = torch.randn(5, 2 * width, generator=gen, device=device).to(dtype)
+    x = wide[:, :width]  # strided rows, as a split leaves them
+    residual = torch.randn(5, width, generator=gen, device=device).to(dtype)
+    weight = torch.randn(width, generator=gen, device=device)
+    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else {}
+    out = rms_norm_triton(x, weight, 1e-6, weight_offset)
+    assert out.dtype == dtype and out.shape == x.shape
+    torch.testing.assert_close(
+        out, rms_norm_reference(x, weight, 1e-6, weight_offset), **tolerance
+    )
+    out, summed = rms_norm_triton(x, weight, 1e-6, weight_offset, residual=residual)
+    assert torch.equal(summed, x + residual)
+    torch.testing.assert_close(
+        out, rms_norm_reference(x + residual, weight, 1e-6, weight_offset), **tolerance
+    )
