@@ -17,28 +17,34 @@ import torch
 
 from atom.config import KDA_BACKENDS
 from atom.kernels import triton_available
-from atom.model_ops.kda import chunk_kda, recurrent_kda
+from atom.model_ops.kda import (
+    causal_conv1d,
+    chunk_kda,
+    conv_state_after_each_row,
+    recurrent_kda,
+)
 from atom.utils.forward_context import AttentionMetadata
 
 
 @dataclass(frozen=True)
 class StateSlots:
-    """A decode step's recurrent states: the layer's pool and each sequence's slot."""
+    """A step's states of one kind (recurrent or conv): the layer's pool of them and
+    each sequence's slot."""
 
-    pool: torch.Tensor  # [S, h, Dv, Dk] fp32
+    pool: torch.Tensor  # [S, ...]: recurrent [S, h, Dv, Dk] fp32, conv [S, C, K-1]
     slots: torch.Tensor  # [B] long
     fresh: torch.Tensor  # [B] bool: starts from a zero state
-    # [S, R, h, Dv, Dk]: on a verify step, the state after every row is kept here
+    # [S, R, ...]: on a verify step, the state after every row is kept here
     # for the commit of the accepted prefix; None on plain decode.
     snapshots: torch.Tensor | None = None
 
     def gather(self) -> torch.Tensor:
-        """[B, h, Dv, Dk] start states (zeros for fresh sequences)."""
+        """[B, ...] start states (zeros for fresh sequences)."""
         start = self.pool.index_select(0, self.slots)
-        return torch.where(self.fresh.view(-1, 1, 1, 1), 0, start)
+        return torch.where(self.fresh.view(-1, *[1] * (start.dim() - 1)), 0, start)
 
     def scatter(self, final: torch.Tensor, every_row: torch.Tensor | None) -> None:
-        """Store final states [B, h, Dv, Dk] (and the per-row ones on verify).
+        """Store final states [B, ...] (and the per-row ones [B, T, ...] on verify).
         Caches hold values, never autograd history (training runs this path too)."""
         if self.snapshots is not None:
             self.snapshots[self.slots, : every_row.shape[1]] = every_row.detach()
@@ -75,6 +81,18 @@ class KDABackend(Protocol):
         o [B, T, h, Dv]; the pool (and the snapshots on verify) updated in place."""
         ...
 
+    def conv_decode(
+        self,
+        mixed: torch.Tensor,
+        weight: torch.Tensor,
+        states: StateSlots,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """The short conv + SiLU of decode / verify rows mixed [B, T, C] (weight
+        [C, K]) continuing each sequence's conv history, [B, T, C] in mixed.dtype;
+        the conv pool (and its snapshots on verify) updated in place."""
+        ...
+
 
 def torch_decode(q, k, v, g, beta, states: StateSlots) -> torch.Tensor:
     """The reference decode: gather, the token loop, scatter."""
@@ -86,10 +104,28 @@ def torch_decode(q, k, v, g, beta, states: StateSlots) -> torch.Tensor:
     return o
 
 
+def torch_conv_decode(
+    mixed: torch.Tensor,
+    weight: torch.Tensor,
+    states: StateSlots,
+    metadata: AttentionMetadata,
+) -> torch.Tensor:
+    """The reference conv of decode rows: gather, `causal_conv1d`, scatter."""
+    history = states.gather()
+    lengths = None if metadata.query_len else metadata.query_start_loc.diff()
+    conved, final = causal_conv1d(mixed, weight, history, lengths)
+    every_row = None
+    if states.snapshots is not None:
+        every_row = conv_state_after_each_row(mixed, history)
+    states.scatter(final, every_row)
+    return conved
+
+
 class TorchKDABackend:
     """Plain PyTorch: padded rows (g = 0, beta = 0) are neutral, so no lengths needed."""
 
     name = "torch"
+    conv_decode = staticmethod(torch_conv_decode)
 
     def prefill(self, q, k, v, g, beta, state, metadata):
         return chunk_kda(q, k, v, g, beta, state)
@@ -108,6 +144,7 @@ class FlaKDABackend:
     """
 
     name = "fla"
+    conv_decode = staticmethod(torch_conv_decode)
 
     def __init__(self) -> None:
         kda_ops = importlib.import_module("fla.ops.kda")
@@ -144,8 +181,9 @@ class FlaKDABackend:
 
 
 class TritonKDABackend:
-    """atom's decode kernel (`atom/kernels/kda_decode.py`): each sequence's state is
-    read from and written to its slot inside the kernel, verify snapshots too.
+    """atom's decode kernels (`atom/kernels/kda_decode.py`, `kda_conv_decode.py`):
+    each sequence's states are read from and written to its slots inside the
+    kernels, verify snapshots too.
     Prefill runs `prefill_backend` (fla's chunked kernels when importable)."""
 
     name = "triton"
@@ -155,6 +193,20 @@ class TritonKDABackend:
         self._decode = importlib.import_module(
             "atom.kernels.kda_decode"
         ).kda_decode_in_pool
+        self._conv = importlib.import_module(
+            "atom.kernels.kda_conv_decode"
+        ).kda_conv_decode_in_pool
+
+    def conv_decode(self, mixed, weight, states, metadata):
+        return self._conv(
+            mixed,
+            weight,
+            states.pool,
+            states.slots,
+            states.fresh,
+            metadata.query_start_loc,
+            states.snapshots,
+        )
 
     def prefill(self, q, k, v, g, beta, state, metadata):
         return self.prefill_backend.prefill(q, k, v, g, beta, state, metadata)

@@ -1,11 +1,19 @@
-"""atom/kernels/kda_decode.py against the torch decode (gather, token loop, scatter)."""
+"""atom/kernels/kda_decode.py and kda_conv_decode.py against the torch decode
+(gather, the reference math, scatter)."""
 
 import pytest
 import torch
 
 from atom.kernels import triton_available
+from atom.model_engine.batch import SeqWork
+from atom.model_engine.model_inputs import prepare_inputs
 from atom.model_ops.kda import l2_normalize
-from atom.model_ops.kda_backend import StateSlots, select_kda_backend, torch_decode
+from atom.model_ops.kda_backend import (
+    StateSlots,
+    select_kda_backend,
+    torch_conv_decode,
+    torch_decode,
+)
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -60,3 +68,59 @@ def test_triton_backend_needs_triton_on_its_device(monkeypatch):
     with pytest.raises(ValueError, match="triton KDA backend"):
         select_kda_backend("cpu", "triton")
     assert select_kda_backend("cpu").name == "torch"
+
+
+def conv_step(device, lengths):
+    works = [
+        SeqWork(
+            seq_id=i,
+            token_ids=[1] * n,
+            context_len=8,
+            block_table=[0, 1],
+            state_slot=i,
+            num_drafts=n - 1,
+        )
+        for i, n in enumerate(lengths)
+    ]
+    return prepare_inputs(works, 16, device)[2]
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("lengths,verify", [([1, 1, 1], False), ([4, 2, 3], True)])
+def test_conv_kernel_updates_the_pool_as_the_torch_conv_does(device, lengths, verify):
+    if not triton_available(device):
+        pytest.skip("triton cannot run here")
+    channels, width, num_slots = 24, 4, 6
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    gen = torch.Generator(device=device).manual_seed(len(lengths) + sum(lengths))
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, device=device).to(dtype)
+
+    metadata = conv_step(device, lengths)
+    mixed = metadata.pad(randn(sum(lengths), channels))
+    weight = randn(channels, width).float()
+    pool = randn(num_slots, channels, width - 1)
+    snapshots = torch.zeros(
+        num_slots, 5, channels, width - 1, dtype=dtype, device=device
+    )
+    slots = torch.tensor([4, 0, 2], device=device)
+    fresh = torch.tensor([False, True, False], device=device)
+    pools = [pool.clone(), pool.clone()]
+    snaps = [snapshots.clone(), snapshots.clone()] if verify else [None, None]
+    triton = select_kda_backend(device, "triton")
+    y = triton.conv_decode(
+        mixed, weight, StateSlots(pools[0], slots, fresh, snaps[0]), metadata
+    )
+    y_ref = torch_conv_decode(
+        mixed, weight, StateSlots(pools[1], slots, fresh, snaps[1]), metadata
+    )
+    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else {}
+    real = metadata.unpad  # rows past a sequence's length are padding
+    torch.testing.assert_close(real(y), real(y_ref), **tolerance)
+    torch.testing.assert_close(pools[0], pools[1], **tolerance)
+    if verify:
+        for b, n in enumerate(lengths):  # the rows each sequence really has
+            slot = slots[b]
+            torch.testing.assert_close(snaps[0][slot, :n], snaps[1][slot, :n])

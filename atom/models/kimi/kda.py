@@ -15,7 +15,6 @@ from torch import nn
 from atom.distributed.parallel_state import get_tp_group
 from atom.model_ops.kda import (
     causal_conv1d,
-    conv_state_after_each_row,
     kda_forget_gate,
     kda_output_norm_gate,
     l2_normalize,
@@ -192,36 +191,35 @@ class KimiDeltaAttention(nn.Module):
         """
         metadata = require_metadata(f"KDA layer {self.prefix!r}")
         slots, fresh = metadata.state_slots, metadata.fresh
-        conv_in = torch.where(
-            fresh.view(-1, 1, 1), 0, self.conv_state.index_select(0, slots)
-        )
-        lengths = None
-        if not metadata.query_len:
-            lengths = metadata.query_start_loc.diff()
-        conved, conv_out = causal_conv1d(mixed, self._conv_weight(), conv_in, lengths)
         batch, rows = mixed.shape[:2]
+        ssm = StateSlots(self.ssm_state, slots, fresh)
+        conv = StateSlots(self.conv_state, slots, fresh)
+        decode = rows == 1 or metadata.keeps_row_states
+        if metadata.keeps_row_states:
+            self._check_snapshot_rows(rows)
+            ssm = dataclasses.replace(ssm, snapshots=self.ssm_snapshots)
+            conv = dataclasses.replace(conv, snapshots=self.conv_snapshots)
+        if decode:
+            conved = self._backend.conv_decode(
+                mixed, self._conv_weight(), conv, metadata
+            )
+        else:
+            lengths = None if metadata.query_len else metadata.query_start_loc.diff()
+            conved, conv_out = causal_conv1d(
+                mixed, self._conv_weight(), conv.gather(), lengths
+            )
+            conv.scatter(conv_out, None)
         q, k, v = (
             part.reshape(batch, rows, self.heads, self.head_dim)
             for part in conved.split(self.local_width, dim=-1)
         )
         q, k = l2_normalize(q), l2_normalize(k)
-        states = StateSlots(self.ssm_state, slots, fresh)
-        if metadata.keeps_row_states:
-            self._check_snapshot_rows(rows)
-            states = dataclasses.replace(states, snapshots=self.ssm_snapshots)
-            o = self._backend.decode(q, k, v, log_decay, beta, states)
-            self.conv_snapshots[slots, :rows] = conv_state_after_each_row(
-                mixed, conv_in
-            ).detach()
-        elif rows == 1:
-            o = self._backend.decode(q, k, v, log_decay, beta, states)
-        else:
-            o, final = self._backend.prefill(
-                q, k, v, log_decay, beta, states.gather(), metadata
-            )
-            states.scatter(final, None)
-        # Caches hold values, never autograd history (training runs this forward too).
-        self.conv_state.index_copy_(0, slots, conv_out.detach())
+        if decode:
+            return self._backend.decode(q, k, v, log_decay, beta, ssm)
+        o, final = self._backend.prefill(
+            q, k, v, log_decay, beta, ssm.gather(), metadata
+        )
+        ssm.scatter(final, None)
         return o
 
     def _check_snapshot_rows(self, rows: int) -> None:
