@@ -1,0 +1,145 @@
+"""atom's Triton kernels against their torch references at the benchmark's shapes.
+
+Shapes are those of `bench_vs_transformers.py`'s issue10 preset (2.6 B Kimi Linear,
+bf16): KDA 16 heads of 128, conv width 4, MLA 16 heads over a 512 + 64 latent row
+at 320 tokens of context in a 400-token table, RMSNorm over 2304. Per kernel and
+batch it prints microseconds per call (CUDA events, mean of `--iters` after a
+warm-up), the bytes the call must move at least, the bandwidth that gives as a
+fraction of the H200's 4.8 TB/s, and the speed-up over the torch reference.
+
+    python benchmarks/bench_kernels.py --batch-sizes 1,32,128
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+import torch
+
+from atom.kernels.rms_norm import rms_norm_triton
+from atom.model_engine.batch import SeqWork
+from atom.model_engine.model_inputs import prepare_inputs
+from atom.model_ops.attention_backend import TorchMLABackend, select_mla_backend
+from atom.model_ops.kda import l2_normalize
+from atom.model_ops.kda_backend import (
+    StateSlots,
+    select_kda_backend,
+    torch_conv_decode,
+    torch_decode,
+)
+from atom.model_ops.layernorm import rms_norm_reference
+
+HBM_BYTES_PER_S = 4.8e12
+KDA_HEADS, KDA_DIM, CONV_WIDTH = 16, 128, 4
+MLA_HEADS, NOPE, ROPE, RANK, V_DIM = 16, 128, 64, 512, 128
+HIDDEN, CONTEXT, TABLE_TOKENS, BLOCK_SIZE = 2304, 320, 400, 16
+
+
+def time_us(fn: Callable[[], object], iters: int) -> float:
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / iters
+
+
+def report(name: str, batch: int, ours: float, reference: float, nbytes: float):
+    rate = nbytes / (ours * 1e-6)
+    print(
+        f"{name:12s} batch {batch:4d}: triton {ours:8.1f} us, torch {reference:8.1f} "
+        f"us ({reference / ours:5.2f}x); {nbytes / 1e6:7.2f} MB -> "
+        f"{rate / 1e9:6.0f} GB/s = {100 * rate / HBM_BYTES_PER_S:5.1f} % of HBM"
+    )
+
+
+def decode_metadata(batch: int, context: int, rows: int = 1):
+    blocks = TABLE_TOKENS // BLOCK_SIZE
+    works = [
+        SeqWork(
+            seq_id=b,
+            token_ids=[1] * rows,
+            context_len=context,
+            block_table=list(range(b * blocks, (b + 1) * blocks)),
+            state_slot=b,
+            num_drafts=rows - 1,
+        )
+        for b in range(batch)
+    ]
+    return prepare_inputs(works, BLOCK_SIZE, "cuda", table_width=blocks)[2]
+
+
+def bench_kda(batch: int, iters: int) -> None:
+    dev, bf16 = "cuda", torch.bfloat16
+    metadata = decode_metadata(batch, CONTEXT)
+    width = KDA_HEADS * KDA_DIM
+    mixed = torch.randn(batch, 1, 3 * width, device=dev, dtype=bf16)
+    q, k, v = (p.reshape(batch, 1, KDA_HEADS, KDA_DIM) for p in mixed.split(width, -1))
+    q, k = l2_normalize(q), l2_normalize(k)
+    g = -torch.rand(batch, 1, KDA_HEADS, KDA_DIM, device=dev)
+    beta = torch.rand(batch, 1, KDA_HEADS, device=dev)
+    pool = torch.randn(batch, KDA_HEADS, KDA_DIM, KDA_DIM, device=dev) * 0.1
+    states = StateSlots(pool, metadata.state_slots, metadata.fresh)
+    triton = select_kda_backend(dev, "triton")
+    ours = time_us(lambda: triton.decode(q, k, v, g, beta, states), iters)
+    reference = time_us(lambda: torch_decode(q, k, v, g, beta, states), iters)
+    report("kda decode", batch, ours, reference, 2 * pool.numel() * 4)
+    conv_pool = torch.randn(batch, 3 * width, CONV_WIDTH - 1, device=dev, dtype=bf16)
+    weight = torch.randn(3 * width, CONV_WIDTH, device=dev)
+    conv = StateSlots(conv_pool, metadata.state_slots, metadata.fresh)
+    ours = time_us(lambda: triton.conv_decode(mixed, weight, conv, metadata), iters)
+    reference = time_us(lambda: torch_conv_decode(mixed, weight, conv, metadata), iters)
+    moved = 2 * conv_pool.numel() * 2 + 2 * mixed.numel() * 2
+    report("kda conv", batch, ours, reference, moved)
+
+
+def bench_mla(batch: int, iters: int) -> None:
+    dev, bf16 = "cuda", torch.bfloat16
+    metadata = decode_metadata(batch, CONTEXT)
+    blocks = batch * TABLE_TOKENS // BLOCK_SIZE
+    cache = torch.randn(blocks, BLOCK_SIZE, RANK + ROPE, device=dev, dtype=bf16)
+    q_nope = torch.randn(batch, MLA_HEADS, NOPE, device=dev, dtype=bf16)
+    q_pe = torch.randn(batch, MLA_HEADS, ROPE, device=dev, dtype=bf16)
+    latent = torch.randn(batch, RANK + ROPE, device=dev, dtype=bf16)
+    kv_b = torch.randn(MLA_HEADS * (NOPE + V_DIM), RANK, device=dev, dtype=bf16) / 20
+    args = (q_nope, q_pe, latent, cache, kv_b, V_DIM, 0.07, metadata)
+    triton = select_mla_backend(dev, "triton")
+    ours = time_us(lambda: triton.forward(*args), iters)
+    reference = time_us(lambda: TorchMLABackend().forward(*args), iters)
+    moved = batch * (CONTEXT + 1) * (RANK + ROPE) * 2 + kv_b.numel() * 2
+    report("mla decode", batch, ours, reference, moved)
+
+
+def bench_norm(batch: int, iters: int) -> None:
+    dev, bf16 = "cuda", torch.bfloat16
+    x = torch.randn(batch, HIDDEN, device=dev, dtype=bf16)
+    residual = torch.randn_like(x)
+    weight = torch.randn(HIDDEN, device=dev, dtype=bf16)
+    ours = time_us(lambda: rms_norm_triton(x, weight, 1e-6, residual=residual), iters)
+
+    def reference():
+        summed = x + residual
+        return rms_norm_reference(summed, weight, 1e-6), summed
+
+    report("add+rmsnorm", batch, ours, time_us(reference, iters), 4 * x.numel() * 2)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch-sizes", default="1,32,128")
+    parser.add_argument("--iters", type=int, default=50)
+    args = parser.parse_args()
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    for batch in (int(b) for b in args.batch_sizes.split(",")):
+        with torch.inference_mode():
+            bench_kda(batch, args.iters)
+            bench_mla(batch, args.iters)
+            bench_norm(batch, args.iters)
+
+
+if __name__ == "__main__":
+    main()
