@@ -195,20 +195,22 @@ class FusedExperts(nn.Module):
 class RouterGate(nn.Module):
     """The replicated router: `weight` [E, H] and `e_score_correction_bias` [E].
 
-    `dtype` fixes the stored weight's dtype (fp32 for checkpoints that ship an fp32
-    router); None keeps the model's dtype. Logits are computed in fp32 either way.
+    Logits are computed in fp32, so the weight is stored in fp32 (a bf16 checkpoint
+    value upcasts exactly at load) rather than cast on every forward. `bias_dtype`
+    fixes the bias's dtype (fp32 for checkpoints that ship an fp32 router); None
+    keeps the model's dtype.
     """
 
     def __init__(
-        self, hidden: int, num_experts: int, dtype: torch.dtype | None = None
+        self, hidden: int, num_experts: int, bias_dtype: torch.dtype | None = None
     ) -> None:
         super().__init__()
         self.weight = nn.Parameter(
-            torch.empty(num_experts, hidden, dtype=dtype), requires_grad=False
+            torch.empty(num_experts, hidden, dtype=torch.float32), requires_grad=False
         )
         self.e_score_correction_bias = nn.Parameter(
-            torch.empty(num_experts, dtype=dtype), requires_grad=False
+            torch.empty(num_experts, dtype=bias_dtype), requires_grad=False
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.float(), self.weight.float())
+        return F.linear(x.float(), self.weight)

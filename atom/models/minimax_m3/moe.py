@@ -35,7 +35,7 @@ class MiniMaxM3MoE(nn.Module):
         hidden = config.hidden_size
         self.top_k = config.num_experts_per_token
         self.scaling = config.routed_scaling_factor
-        self.gate = RouterGate(hidden, config.num_experts, dtype=torch.float32)
+        self.gate = RouterGate(hidden, config.num_experts, bias_dtype=torch.float32)
         self.experts = FusedExperts(
             config.num_experts, config.moe_intermediate_size, hidden, swigluoai(config)
         )
