@@ -42,7 +42,6 @@ UNSUPPORTED_ENGINE_FLAGS: dict[tuple[str, ...], str] = {
     ("--decode-context-parallel-size",): "",
     ("--kv-transfer-config",): "use --kv-role",
     ("--kv-cache-dtype",): "",
-    ("--online-quant-config",): "",
     ("--cudagraph-mode",): "",
     ("--level",): "",
     ("--hf-overrides",): "",
@@ -251,6 +250,13 @@ class EngineArgs(EngineSettings):
             choices=KV_ROLES,
             default=defaults.kv_role,
             help="prefill/decode disaggregation role",
+        )
+        parser.add_argument(
+            "--online-quant-config",
+            default=None,
+            help="online weight quantization as ATOM writes it, e.g. "
+            '\'{"global_quant_config": "ptpc_fp8"}\' (fp8 weights per output '
+            "channel, fp8 activations per token); None = the checkpoint's weights",
         )
         parser.add_argument(
             "--pp-layer-partition",

@@ -22,11 +22,11 @@ from atom.config import Config
 from atom.distributed.launch import run_ranks
 from atom.distributed.parallel_state import build_parallel_state, get_tp_group
 from atom.model_loader.loader import WeightLoadingError, load_weights
-from atom.model_ops.mxfp4 import declares_mxfp4, dequantize_mxfp4
+from atom.model_ops.quantization.mxfp4 import declares_mxfp4, dequantize_mxfp4
 from atom.models.kimi.model import KimiK3ForConditionalGeneration
 from atom.models.tiny import resolve_model_path
+from tests.model_ops.quantization.mxfp4_reference import quantize_mxfp4
 from tests.models.kimi_helpers import bind_caches, build_target, logits_of, work
-from tests.models.mxfp4_reference import quantize_mxfp4
 
 # The shape of Kimi-K3's `text_config.quantization_config` (compressed-tensors).
 K3_QUANTIZATION = {
