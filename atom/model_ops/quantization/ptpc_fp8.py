@@ -5,7 +5,7 @@ Weights load in the model dtype and are quantized once after loading, on each ra
 own shard (a row-parallel shard's channel scales cover only its slice of the input).
 The forward quantizes each token row of the input with its own scale and multiplies:
 
-- on CUDA sm89+ with a bf16 model, `torch._scaled_mm` with row-wise scales
+- on NVIDIA CUDA sm89+ with a bf16 model, `torch._scaled_mm` with row-wise scales
   (scale_a [M, 1], scale_b [1, N], fp32) when both widths are multiples of 16;
 - elsewhere a reference path: the same per-token quantization, dequantized, and an
   fp32 product, so the CPU's numbers match the GPU's up to accumulation order.
@@ -56,6 +56,10 @@ def scaled_mm_runs(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `torch._scaled_mm` with row-wise scales takes x [M, K] and the fp8
     weight [N, K] where they sit."""
     if x.device.type != "cuda" or x.dtype != torch.bfloat16:
+        return False
+    if torch.version.hip is not None:
+        # ROCm's fp8 encoding differs by chip (e4m3fnuz on MI300); the reference
+        # path serves there until a ROCm GPU has checked this one.
         return False
     if not hasattr(torch, "_scaled_mm"):
         return False
