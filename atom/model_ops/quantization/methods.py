@@ -17,8 +17,6 @@ from atom.model_ops.quantization.ptpc_fp8 import PtpcFp8Experts, PtpcFp8Linear
 
 
 class LinearMethod(Protocol):
-    name: str
-
     def prepare(self, module: nn.Module) -> None: ...
 
     def finish(self, module: nn.Module) -> None: ...
@@ -29,7 +27,6 @@ class LinearMethod(Protocol):
 
 
 class ExpertsMethod(Protocol):
-    name: str
     graph_capturable: bool
 
     def prepare(self, module: nn.Module) -> None: ...

@@ -94,12 +94,16 @@ def fp8_linear(
     return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
 
 
-def _scale_parameter(shape: tuple[int, ...], source: str) -> nn.Parameter:
-    """A scale computed from parameter `source` after loading; the strict loader
-    accounts for it through `quantized_from` instead of the checkpoint."""
-    scale = nn.Parameter(torch.ones(shape, dtype=torch.float32), requires_grad=False)
-    scale.quantized_from = source
-    return scale
+def _scale_parameter(module: nn.Module, source: str) -> None:
+    """Declare `module.<source>_scale`, one fp32 scale per output row of parameter
+    `source`, on its device; computed after loading, so the strict loader accounts
+    for it through `quantized_from` instead of the checkpoint."""
+    weight = getattr(module, source)
+    shape = (*weight.shape[:-1], 1)
+    scale = torch.ones(shape, dtype=torch.float32, device=weight.device)
+    parameter = nn.Parameter(scale, requires_grad=False)
+    parameter.quantized_from = source
+    setattr(module, f"{source}_scale", parameter)
 
 
 def _quantized_parameter(module: nn.Module, name: str) -> None:
@@ -112,11 +116,9 @@ def _quantized_parameter(module: nn.Module, name: str) -> None:
 class PtpcFp8Linear:
     """The ptpc_fp8 method of a linear layer (`LinearBase.quant_method`)."""
 
-    name = "ptpc_fp8"
-
     def prepare(self, module: nn.Module) -> None:
         """Before loading: the weight loads as usual; its scale is declared."""
-        module.weight_scale = _scale_parameter((module.weight.shape[0], 1), "weight")
+        _scale_parameter(module, "weight")
 
     def finish(self, module: nn.Module) -> None:
         _quantized_parameter(module, "weight")
@@ -131,14 +133,12 @@ class PtpcFp8Experts:
     """The ptpc_fp8 method of the routed experts (`FusedExperts.quant_method`):
     w13 and w2 stacks in e4m3 with scales [E, out, 1]."""
 
-    name = "ptpc_fp8"
     # Reading which experts a step uses syncs with the host.
     graph_capturable = False
 
     def prepare(self, module: nn.Module) -> None:
         for name in ("w13", "w2"):
-            shape = (*getattr(module, name).shape[:2], 1)
-            setattr(module, f"{name}_scale", _scale_parameter(shape, name))
+            _scale_parameter(module, name)
 
     def finish(self, module: nn.Module) -> None:
         for name in ("w13", "w2"):

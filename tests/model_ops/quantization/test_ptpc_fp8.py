@@ -116,6 +116,19 @@ def test_tp_shards_quantize_their_own_slices(rank):
     assert not torch.equal(row.weight_scale, quantize_rows(weight.t())[1])
 
 
+def test_scales_are_declared_on_the_weights_device():
+    # load_target declares them after building, outside the build's device scope.
+    with build_parallel_state(), torch.device("meta"):
+        layer = ColumnParallelLinear(32, 64)
+        experts = FusedExperts(4, 16, 32, get_act_and_mul("silu"))
+    PtpcFp8Linear().prepare(layer)
+    PtpcFp8Experts().prepare(experts)
+    assert layer.weight_scale.device.type == "meta"
+    assert layer.weight_scale.shape == (64, 1)
+    assert experts.w2_scale.device.type == "meta"
+    assert experts.w2_scale.shape == (4, 32, 1)
+
+
 def test_fp8_experts_match_the_dequantized_reference():
     torch.manual_seed(4)
     num_experts, inner, width = 6, 16, 32
