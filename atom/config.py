@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from atom.distributed.node_layout import NodeLayout, torchrun_settings
+from atom.model_ops.quantization.config import QuantizationConfig
 from atom.utils.arithmetic import ceil_div
 
 if TYPE_CHECKING:
@@ -251,6 +252,9 @@ class EngineSettings:
     draft_model: str | None = None
     # Drafts per decoding step; 0 once a Config is built without a speculative method.
     num_speculative_tokens: int = 1
+    # ATOM's online quantization JSON, e.g. '{"global_quant_config": "ptpc_fp8"}'
+    # (a string or a mapping); None keeps the checkpoint's weights as stored.
+    online_quant_config: str | dict | None = None
     # More than one machine: node 0 serves, the others run ranks. NodeLayout
     # (node_layout.py) owns these settings' meaning and defaults.
     nnodes: int = NodeLayout.nnodes
@@ -278,6 +282,8 @@ class Config(EngineSettings):
     store_hosted_elsewhere: bool = field(default=False, init=False)
     # Built once from the settings above; the scheduler and every runner share it.
     limits: EngineLimits = field(init=False, repr=False, compare=False)
+    # online_quant_config and the checkpoint's quantization_config, parsed once.
+    quantization: QuantizationConfig = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         from atom.models.tiny import resolve_model_path
@@ -312,6 +318,9 @@ class Config(EngineSettings):
                 draft_hf_config=load_hf_config(draft) if draft else None,
             )
         text = self.hf_config.text
+        self.quantization = QuantizationConfig.parse(
+            self.online_quant_config, text.get("quantization_config")
+        )
         if self.max_model_len is None:
             self.max_model_len = int(text.first_of(CONTEXT_LENGTH_FIELDS) or 4096)
         if self.nnodes == 1:
@@ -347,7 +356,8 @@ class Config(EngineSettings):
         partition = self.pp_layer_partition or "even split"
         return (
             f"pp layer partition {partition}, KDA backend {self.kda_backend}, "
-            f"attention backend {self.attention_backend}"
+            f"attention backend {self.attention_backend}, "
+            f"{self.quantization.describe()}"
         )
 
     @property

@@ -78,6 +78,7 @@ def run(
         device=args.device,
         dtype=args.dtype,
         max_num_seqs=max(args.num_prompts, 1),
+        online_quant_config=args.online_quant_config,
     )
     if spec:
         kwargs.update(
@@ -134,6 +135,7 @@ def batch_scaling(args: argparse.Namespace, model: str) -> None:
         model,
         device=args.device,
         dtype=args.dtype,
+        online_quant_config=args.online_quant_config,
         max_num_seqs=max(sizes),
         # Each size reuses the first prompts; a cache hit would skip their prefill.
         enable_prefix_caching=False,
@@ -174,6 +176,12 @@ def main() -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--num-prompts", type=int, default=16)
+    parser.add_argument(
+        "--online-quant-config",
+        "--online_quant_config",
+        default=None,
+        help='e.g. \'{"global_quant_config": "ptpc_fp8"}\' (fp8 weights)',
+    )
     parser.add_argument("--prompts", choices=["corpus", "random"], default="corpus")
     parser.add_argument("--input-len", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=64)

@@ -12,6 +12,7 @@ from atom.config import (
     EngineSettings,
     parse_partition,
 )
+from atom.model_ops.quantization.config import parse_online_scheme
 from atom.sampling_params import MAX_SEED, SEED_RULE
 from atom.utils.arg_parser import (
     FlexibleArgumentParser,
@@ -42,7 +43,6 @@ UNSUPPORTED_ENGINE_FLAGS: dict[tuple[str, ...], str] = {
     ("--decode-context-parallel-size",): "",
     ("--kv-transfer-config",): "use --kv-role",
     ("--kv-cache-dtype",): "",
-    ("--online-quant-config",): "",
     ("--cudagraph-mode",): "",
     ("--level",): "",
     ("--hf-overrides",): "",
@@ -94,6 +94,15 @@ def _layer_partition(text: str) -> list[int]:
             f"every stage needs at least one layer, got {text!r}"
         )
     return counts
+
+
+def _online_quant_config(text: str) -> str:
+    """The JSON as given, once it names a supported scheme (Config parses it)."""
+    try:
+        parse_online_scheme(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return text
 
 
 def _capture_sizes(text: str) -> list[int]:
@@ -251,6 +260,14 @@ class EngineArgs(EngineSettings):
             choices=KV_ROLES,
             default=defaults.kv_role,
             help="prefill/decode disaggregation role",
+        )
+        parser.add_argument(
+            "--online-quant-config",
+            type=_online_quant_config,
+            default=None,
+            help="online weight quantization as ATOM writes it, e.g. "
+            '\'{"global_quant_config": "ptpc_fp8"}\' (fp8 weights per output '
+            "channel, fp8 activations per token); None = the checkpoint's weights",
         )
         parser.add_argument(
             "--pp-layer-partition",

@@ -10,6 +10,7 @@ from torch import nn
 
 from atom.config import Config
 from atom.model_loader.loader import LoadReport, load_weights
+from atom.model_ops.quantization.apply import prepare_quantization
 from atom.models.interfaces import PipelineModel
 from atom.models.registry import get_model_class
 
@@ -31,7 +32,7 @@ def load_target(
     config: Config, device: torch.device | str
 ) -> tuple[nn.Module, LoadReport]:
     """The registry's class for the checkpoint, built on `device` in the config's
-    dtype, its weights loaded strictly, in eval mode."""
+    dtype, quantized as the config says, its weights loaded strictly, in eval mode."""
     with building_on(device, config.torch_dtype):
         model = get_model_class(config.hf_config.architecture)(config)
     if not isinstance(model, PipelineModel):
@@ -39,5 +40,6 @@ def load_target(
             f"{type(model).__name__} lacks what a target declares "
             "(PipelineModel, atom/models/interfaces.py)"
         )
+    prepare_quantization(model, config.quantization)
     report = load_weights(model, config.model)
     return model.eval(), report

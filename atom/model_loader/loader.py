@@ -3,7 +3,9 @@
 After loading, each parameter must be loaded from the checkpoint or declared skipped
 by its model. A parameter nothing wrote would run with garbage: for a draft that only
 shows as collapsed acceptance, which is why this fails instead of warning. Checkpoint
-tensors that map to no parameter fail too.
+tensors that map to no parameter fail too. A scale that online quantization computes
+(`quantized_from`, `model_ops/quantization/`) is accounted for by the weight it is
+computed from; once everything is accounted for, the weights are quantized.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from torch import nn
 from atom.distributed.parallel_state import get_pp_group, get_tp_group
 from atom.model_loader.safetensors_io import iterate_tensors
 from atom.model_ops.linear import default_weight_loader
+from atom.model_ops.quantization.apply import finish_quantization
 from atom.models.utils import is_pp_missing_parameter, missing_layer_prefixes
 
 
@@ -96,8 +99,13 @@ def load_weights(model: nn.Module, model_dir: str) -> LoadReport:
         shards_loaded[param_name].add(shard_id)
 
     problems = [f"checkpoint tensor with no parameter: {u}" for u in sorted(unknown)]
+    computed: dict[str, str] = {}
     for param_name, param in params.items():
         if _declared_skip(model, param_name):
+            continue
+        source = getattr(param, "quantized_from", None)
+        if source is not None:
+            computed[param_name] = f"{param_name.rpartition('.')[0]}.{source}"
             continue
         expected = getattr(param, "expected_shards", {None})
         absent = set(expected) - shards_loaded.get(param_name, set())
@@ -106,11 +114,17 @@ def load_weights(model: nn.Module, model_dir: str) -> LoadReport:
             problems.append(f"parameter never loaded: {param_name}{detail}")
         else:
             report.loaded.add(param_name)
+    for param_name, source in computed.items():
+        if source in report.loaded:
+            report.loaded.add(param_name)
+        else:
+            problems.append(f"{param_name} has no loaded {source} to quantize")
     if problems:
         raise WeightLoadingError(
             f"[{report.stage}] checkpoint {model_dir!r} does not account for the model:\n  "
             + "\n  ".join(problems)
         )
+    finish_quantization(model)
     if hasattr(model, "post_load_weights"):
         model.post_load_weights()
     return report

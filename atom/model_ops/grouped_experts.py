@@ -88,13 +88,16 @@ def grouped_expert_mlp(
     w2: torch.Tensor,
     act: Callable[[torch.Tensor], torch.Tensor],
     path: ExpertPath,
+    row_transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """sum_k routing_weights[:, k] * expert_{ids[:, k]}(x) as [N, D] fp32.
 
     x [N, D]; routing_weights, expert_ids [N, k]; w13 [E, 2I, D] (gate rows first);
     w2 [E, D, I]; `act` maps [M, 2I] to [M, I]; `path` as `expert_path` chooses for
-    these weights (or any path that runs on their device).
+    these weights (or any path that runs on their device). `row_transform`, when
+    given, maps the rows each projection reads (fp8 rounds them per token).
     """
+    transform = row_transform or (lambda rows: rows)
     num_tokens, top_k = expert_ids.shape
     num_experts = w13.shape[0]
     flat_ids = expert_ids.reshape(-1)
@@ -104,8 +107,10 @@ def grouped_expert_mlp(
     counts = torch.zeros(num_experts, dtype=torch.int32, device=x.device)
     counts.index_add_(0, flat_ids, torch.ones_like(flat_ids, dtype=torch.int32))
     group_ends = counts.cumsum(0, dtype=torch.int32)
-    inner = act(_grouped_linear(x, w13, group_ends, path, row_source=token_of))
-    y = _grouped_linear(inner, w2, group_ends, path).float()
+    inner = act(
+        _grouped_linear(transform(x), w13, group_ends, path, row_source=token_of)
+    )
+    y = _grouped_linear(transform(inner), w2, group_ends, path).float()
     y = y * routing_weights.reshape(-1)[order].float().unsqueeze(1)
     out = torch.zeros(num_tokens, w2.shape[1], dtype=torch.float32, device=x.device)
     return out.index_add(0, token_of, y)

@@ -1,16 +1,23 @@
 """Linear layers whose weights are split across the tensor-parallel group.
 
 Each parameter carries a `weight_loader(param, checkpoint_tensor[, shard_id])` that
-takes the full checkpoint tensor and keeps this rank's slice.
+takes the full checkpoint tensor and keeps this rank's slice. Weights load in the
+model dtype; a quantization method (`model_ops/quantization/`) set on the layer
+before loading converts them afterwards and runs the product.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from atom.distributed.parallel_state import get_tp_group
+
+if TYPE_CHECKING:
+    from atom.model_ops.quantization.methods import LinearMethod
 
 
 def check_shape(param: torch.Tensor, loaded: torch.Tensor, what: str = "") -> None:
@@ -61,6 +68,14 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
+        # None: the weight stays in the model dtype (`quantization/apply.py`).
+        self.quant_method: LinearMethod | None = None
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x W^T (+ bias) with this rank's weight, quantized or not."""
+        if self.quant_method is None:
+            return F.linear(x, self.weight, bias)
+        return self.quant_method.apply(self, x, bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         if self.tp_dim is not None and self.tp_dim < loaded.dim():
@@ -68,7 +83,7 @@ class LinearBase(nn.Module):
         default_weight_loader(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
@@ -135,7 +150,7 @@ class RowParallelLinear(LinearBase):
             super().weight_loader(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = self.matmul(x)
         if self.reduce_results:
             y = get_tp_group().all_reduce(y)
         if self.bias is not None:

@@ -12,7 +12,7 @@ Checkpoints store one tensor per expert and projection (`experts.{e}.w1` gate,
 from __future__ import annotations
 
 import re
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +26,10 @@ from atom.model_ops.grouped_experts import (
     grouped_expert_mlp,
 )
 from atom.model_ops.linear import check_shape, divide, shard_of
-from atom.model_ops.mxfp4 import dequantize_mxfp4
+from atom.model_ops.quantization.mxfp4 import dequantize_mxfp4
+
+if TYPE_CHECKING:
+    from atom.model_ops.quantization.methods import ExpertsMethod
 
 EXPERT_PROJECTIONS = ("w1", "w3", "w2")  # gate, up, down
 MXFP4_PARTS = ("packed", "scale")
@@ -101,9 +104,14 @@ class FusedExperts(nn.Module):
         self.act = act
         # Decided on first use, once the weights sit on their device.
         self._path: ExpertPath | None = None
+        # Whether the checkpoint's config declares these experts MXFP4.
+        self.expects_mxfp4 = False
+        # None: the stacks stay in the model dtype (`quantization/apply.py`).
+        self.quant_method: ExpertsMethod | None = None
 
     def expect_mxfp4(self) -> None:
         """The config declares MXFP4 experts: account for packed + scale halves."""
+        self.expects_mxfp4 = True
         for e in range(self.num_experts):
             for name in EXPERT_PROJECTIONS:
                 self._expect(e, name, mxfp4=True)
@@ -175,6 +183,8 @@ class FusedExperts(nn.Module):
         self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor
     ) -> torch.Tensor:
         """This rank's partial sum_k w_k * expert_k(x), [N, D] in fp32."""
+        if self.quant_method is not None:
+            return self.quant_method.apply(self, x, weights, expert_ids)
         return grouped_expert_mlp(
             x, weights, expert_ids, self.w13, self.w2, self.act, self.path
         )
@@ -189,6 +199,8 @@ class FusedExperts(nn.Module):
     @property
     def graph_capturable(self) -> bool:
         """True when the experts run with no host sync (one kernel per projection)."""
+        if self.quant_method is not None:
+            return self.quant_method.graph_capturable
         return self.path in CAPTURABLE_PATHS
 
 

@@ -83,6 +83,9 @@ class SharedEmbeddingDraft(nn.Module):
 class MarkovHead(nn.Module):
     """Low-rank first-order transition bias: bias(prev) = W1[prev] @ W2^T (fp32)."""
 
+    # Tables indexed by token, not products: quantization leaves them alone.
+    full_precision_linears = ("markov_w1", "markov_w2")
+
     def __init__(self, vocab_size: int, rank: int) -> None:
         super().__init__()
         # Both tables are [V, r]; replicated, since a sharded W2 would need a gather

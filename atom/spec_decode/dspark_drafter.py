@@ -18,6 +18,7 @@ from torch import nn
 from atom.config import Config
 from atom.distributed.parallel_state import get_pp_group, get_tp_group
 from atom.model_loader.loader import load_weights, parameter_bytes
+from atom.model_ops.quantization.apply import prepare_quantization
 from atom.model_ops.sampling_metadata import SamplingMetadata
 from atom.models.interfaces import STATE_ROLLBACK_MODE
 from atom.models.registry import draft_architecture, get_draft_model_class
@@ -91,6 +92,8 @@ class DSparkDrafter(Drafter):
         """
         draft_cls = get_draft_model_class(self.architecture)
         draft = draft_cls(self.draft_hf_config, self.config.hf_config.text)
+        # The draft's linears take the target's online scheme.
+        prepare_quantization(draft, self.config.quantization)
         self.load_report = load_weights(draft, self.draft_path)
         target_lm = language_model_of(target)
         if self.will_propose:
@@ -113,14 +116,14 @@ class DSparkDrafter(Drafter):
         self.tap_ids = list(self.model.tap_ids)
         # Non-resident taps (always -1 on a pp > 1 last stage) come via the relay.
         resident = [t for t in self.tap_ids if tap_is_resident(target_base, t)]
-        # Tap buffers take the draft's device and dtype.
-        weight = next(self.model.parameters())
+        # Tap buffers take the draft's device and the dtype it was built in (a
+        # quantized draft's first parameter may hold fp8 codes).
         buffers = allocate_tap_buffers(
             len(resident),
             self.config.max_num_batched_tokens,
             self.model.config.target_hidden_size,
-            weight.device,
-            weight.dtype,
+            next(self.model.parameters()).device,
+            torch.get_default_dtype(),
         )
         self.tap_buffers = dict(zip(resident, buffers))
         self.capture = TapCapture(target_base, self.tap_buffers)

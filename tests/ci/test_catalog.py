@@ -61,6 +61,11 @@ def test_the_pp2_entry_is_the_upstream_configuration():
     assert entry.checkpoints() == ["moonshotai/Kimi-K3", "Inferact/Kimi-K3-DSpark"]
 
 
+def test_the_h200_entry_runs_ptpc_fp8_as_upstream():
+    args = server_args(find_entry(ENTRIES, "Kimi-K3 DSpark PP2 H200"))
+    assert json.loads(args.online_quant_config) == {"global_quant_config": "ptpc_fp8"}
+
+
 def test_the_k31_entry_serves_the_k31_draft():
     args = server_args(find_entry(ENTRIES, "Kimi-K3.1 DSpark PP2"))
     assert args.model.endswith("Kimi-K3.1")

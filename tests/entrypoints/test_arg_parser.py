@@ -73,6 +73,23 @@ def test_cuda_graph_flags():
     assert parse_engine_args().cudagraph_capture_sizes is None
 
 
+PTPC_FP8 = '{"global_quant_config": "ptpc_fp8"}'
+
+
+@pytest.mark.parametrize("flag", ["--online_quant_config", "--online-quant-config"])
+def test_online_quant_config_in_either_spelling(flag):
+    assert parse_engine_args(flag, PTPC_FP8).online_quant_config == PTPC_FP8
+    assert parse_engine_args().online_quant_config is None
+
+
+def test_unknown_online_scheme_is_a_parse_error_naming_the_choices(capsys):
+    with pytest.raises(SystemExit):
+        parse_engine_args("--online_quant_config", '{"global_quant_config": "fp4"}')
+    err = capsys.readouterr().err
+    assert "--online_quant_config: unknown global_quant_config 'fp4'" in err
+    assert "supported: ptpc_fp8" in err
+
+
 def test_short_parallel_flags():
     args = parse_engine_args("-tp", "4", "-pp", "2", "--pp_layer_partition", "3,2")
     assert (args.tensor_parallel_size, args.pipeline_parallel_size) == (4, 2)

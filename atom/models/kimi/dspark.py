@@ -127,6 +127,9 @@ class KimiK3DSpark(DSparkDraft):
     after loading; the checkpoint's embedding copy and confidence head are skipped.
     """
 
+    # The attention reads kv_b_proj's weight to absorb it, so it stays unquantized.
+    full_precision_linears = ("kv_b_proj",)
+
     # One plain class-level list, never rebound or mutated per stage.
     skip_weight_prefixes = ["confidence_head.", "embed_tokens.", "lm_head."]
     config_class = DSparkDraftConfig

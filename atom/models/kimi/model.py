@@ -11,15 +11,13 @@ from __future__ import annotations
 from functools import partial
 
 import torch
-from torch import nn
 
 from atom.config import Config
 from atom.distributed.parallel_state import get_pp_group, get_tp_group
 from atom.model_ops.attn_res import attn_res_mix
 from atom.model_ops.layernorm import RMSNorm
 from atom.model_ops.linear import ReplicatedLinear
-from atom.model_ops.mxfp4 import declares_mxfp4
-from atom.model_ops.routed_experts import FusedExperts
+from atom.model_ops.quantization.apply import declare_checkpoint_experts
 from atom.models.causal_lm import (
     PipelineCausalLM,
     PipelineTextStack,
@@ -38,19 +36,17 @@ def text_config_of(config: Config) -> KimiTextConfig:
     return KimiTextConfig.from_hf(text, get_tp_group().world_size)
 
 
-def declare_mxfp4_experts(
-    model: nn.Module, quantization_config: dict | None, prefix: str
-) -> None:
-    """Expect MXFP4 halves for the routed experts the config stores as MXFP4 (K3
-    declares it in `text_config.quantization_config`); checked on expert 0's w1,
-    named as in the checkpoint."""
-    for name, module in model.named_modules(prefix=prefix):
-        if isinstance(module, FusedExperts):
-            if declares_mxfp4(quantization_config, f"{name}.0.w1"):
-                module.expect_mxfp4()
-
-
 class KimiLinearModel(PipelineTextStack):
+    # Read as weights outside their forward (MLA absorption, KDA's fp32 beta, the
+    # attention-residual mixes), so no quantization method may convert them.
+    full_precision_linears = (
+        "kv_b_proj",
+        "b_proj",
+        "self_attention_res_proj",
+        "mlp_res_proj",
+        "output_attn_res_proj",
+    )
+
     def __init__(self, config: Config, prefix: str = "") -> None:
         super().__init__()
         text = text_config_of(config)
@@ -61,8 +57,8 @@ class KimiLinearModel(PipelineTextStack):
             attention_backend=config.attention_backend,
         )
         self.build_stage(config, text, layer_class, prefix)
-        quantization = config.hf_config.text.get("quantization_config")
-        declare_mxfp4_experts(self, quantization, prefix)
+        # K3 declares its MXFP4 experts in `text_config.quantization_config`.
+        declare_checkpoint_experts(self, config.quantization, prefix)
         last = get_pp_group().is_last_rank
         hidden, eps = text.hidden_size, text.rms_norm_eps
         self.norm = RMSNorm(hidden, eps=eps) if last else PPMissingLayer()

@@ -21,12 +21,14 @@ from safetensors.torch import save_file
 from atom.config import Config
 from atom.distributed.launch import run_ranks
 from atom.distributed.parallel_state import build_parallel_state, get_tp_group
+from atom.model_loader.build import load_target
 from atom.model_loader.loader import WeightLoadingError, load_weights
-from atom.model_ops.mxfp4 import declares_mxfp4, dequantize_mxfp4
+from atom.model_ops.quantization.mxfp4 import declares_mxfp4, dequantize_mxfp4
+from atom.model_ops.routed_experts import FusedExperts
 from atom.models.kimi.model import KimiK3ForConditionalGeneration
 from atom.models.tiny import resolve_model_path
+from tests.model_ops.quantization.mxfp4_reference import quantize_mxfp4
 from tests.models.kimi_helpers import bind_caches, build_target, logits_of, work
-from tests.models.mxfp4_reference import quantize_mxfp4
 
 # The shape of Kimi-K3's `text_config.quantization_config` (compressed-tensors).
 K3_QUANTIZATION = {
@@ -256,6 +258,19 @@ def test_mxfp4_checkpoint_gives_the_plain_checkpoints_logits(folders, k3_tensors
     for key, param in expert_params(reference).items():
         assert torch.equal(loaded[key], param), key
     assert torch.equal(prompt_logits(quantized), prompt_logits(reference))
+
+
+def test_online_ptpc_fp8_keeps_declared_mxfp4_experts_in_the_checkpoints_form(
+    folders,
+):
+    online = '{"global_quant_config": "ptpc_fp8"}'
+    config = Config(model=folders["mxfp4"], device="cpu", online_quant_config=online)
+    model, _ = load_target(config, "cpu")
+    experts = [m for m in model.modules() if isinstance(m, FusedExperts)]
+    assert experts and all(m.w13.dtype == torch.float32 for m in experts)
+    assert not any(hasattr(m, "w13_scale") for m in experts)
+    dense = model.get_submodule("language_model.model.layers.0.mlp.down_proj")
+    assert dense.weight.dtype == torch.float8_e4m3fn
 
 
 def test_packed_names_load_without_a_quantization_config(k3_tensors, tmp_path):

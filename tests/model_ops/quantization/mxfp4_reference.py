@@ -8,7 +8,7 @@ nearest, ties to even, and saturates at 6.
 
 import torch
 
-from atom.model_ops.mxfp4 import E8M0_BIAS, MXFP4_BLOCK, e8m0_to_float
+from atom.model_ops.quantization.mxfp4 import E8M0_BIAS, MXFP4_BLOCK, e8m0_to_float
 
 E2M1_EMAX = 2
 # Round-to-nearest boundaries between neighbouring magnitudes. At an exact midpoint
