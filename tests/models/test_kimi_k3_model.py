@@ -269,8 +269,10 @@ def test_bfloat16_build_keeps_the_fp32_parameters(k3):
     kda = "language_model.model.layers.0.self_attn."
     assert {kda + n for n in ("A_log", "dt_bias", "o_norm.weight")} <= fp32
     assert kda + "q_conv1d.weight" in fp32
+    # The router weight too: its logits are fp32 (RouterGate).
+    assert any(name.endswith("block_sparse_moe.gate.weight") for name in fp32)
     assert all(
-        name.rsplit(".", 2)[-2].endswith(("conv1d", "o_norm", "self_attn"))
+        name.rsplit(".", 2)[-2].endswith(("conv1d", "o_norm", "self_attn", "gate"))
         for name in fp32
     )
     cache = bind_caches(model)
