@@ -40,7 +40,6 @@ UNSUPPORTED_ENGINE_FLAGS: dict[tuple[str, ...], str] = {
     ("--enable-tbo",): "",
     ("--prefill-context-parallel-size",): "",
     ("--decode-context-parallel-size",): "",
-    ("--kv-transfer-config",): "use --kv-role",
     ("--kv-cache-dtype",): "",
     ("--online-quant-config",): "",
     ("--cudagraph-mode",): "",
@@ -251,6 +250,12 @@ class EngineArgs(EngineSettings):
             choices=KV_ROLES,
             default=defaults.kv_role,
             help="prefill/decode disaggregation role",
+        )
+        parser.add_argument(
+            "--kv-transfer-config",
+            default=None,
+            help='P/D disaggregation as JSON, e.g. \'{"kv_role": "kv_producer", '
+            '"kv_connector": "mooncake"}\' (docs/pd.md)',
         )
         parser.add_argument(
             "--pp-layer-partition",

@@ -121,6 +121,10 @@ def start_runner(config: Config, device: torch.device):
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
         blocks = int(agreed.item())
     runner.allocate_caches(blocks)
+    if config.kv_transfer is not None:
+        from atom.kv_transfer.rank_calls import attach_kv_connector
+
+        attach_kv_connector(runner)
     reports = [rank_report(runner)]
     if dist.is_initialized():
         # Small objects over the world group, so rank 0's ready message covers all.
