@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from atom.config import Config
 from atom.kv_transfer.connector import KVConnectorScheduler, merge_outputs
-from atom.kv_transfer.rank_calls import load_kv
+from atom.kv_transfer.rank_calls import bootstrap_drafts, load_kv
 from atom.model_engine.batch import ScheduledBatch
 from atom.model_engine.output_processor import OutputProcessor, RequestOutput
 from atom.model_engine.scheduler import Scheduler
@@ -117,6 +117,10 @@ class LLMEngine:
             "tp_size": config.tensor_parallel_size,
             "pp_size": config.pipeline_parallel_size,
             "dp_size": 1,
+            # Producer: finished requests whose blocks wait for a consumer;
+            # consumer: requests waiting for their KV.
+            "held_transfers": len(self.scheduler.held),
+            "parked_requests": len(self.scheduler.parked),
         }
         if self.kv_connector is not None:
             info["kv_connector"] = config.kv_transfer.kv_connector
@@ -138,11 +142,24 @@ class LLMEngine:
         result = merge_outputs(reports)
         result.failed_recving.update(self.kv_connector.take_failures())
         received = self.scheduler.finish_receives(result)
+        self._bootstrap_drafts([seq for seq in received if not seq.is_finished])
         return [
             self._output_of(self.outputs.request_of_seq[seq.seq_id])
             for seq in received
             if seq.seq_id in self.outputs.request_of_seq
         ]
+
+    def _bootstrap_drafts(self, seqs: list[Sequence]) -> None:
+        """Received requests start decoding with the drafts the aggregated engine
+        would have proposed after their prefill, so acceptance matches it."""
+        if not seqs or self.config.speculative_config is None:
+            return
+        works = self.scheduler.bootstrap_works(seqs)
+        anchors = [seq.last_token for seq in seqs]
+        replies = self.workers.call(partial(bootstrap_drafts, works, anchors))
+        drafts = next(reply for reply in replies if reply is not None)
+        for seq, ids in zip(seqs, drafts):
+            seq.spec_token_ids = ids
 
     def _eos_token_id(self) -> int | list[int] | None:
         hf = self.config.hf_config

@@ -259,6 +259,18 @@ class Scheduler:
                 received.append(seq)
         return received
 
+    def bootstrap_works(self, seqs: list[Sequence]) -> list[SeqWork]:
+        """For received requests: the row that decided each first token (the
+        prompt's last, at its position), to anchor their first proposal at."""
+        return [
+            self._work(
+                seq,
+                token_ids=[seq.token_ids[seq.num_prompt_tokens - 1]],
+                context_len=seq.num_prompt_tokens - 1,
+            )
+            for seq in seqs
+        ]
+
     def _unpark(self, seq: Sequence) -> None:
         self.parked.remove(seq)
         self.block_manager.deallocate(seq)
