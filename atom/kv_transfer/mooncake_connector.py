@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING
 
 from atom.kv_transfer.config import KVTransferConfig
@@ -66,6 +67,9 @@ class MooncakeSchedulerConnector(KVConnectorScheduler):
         self._peer_layouts: dict[str, EngineLayout] = {}
         # The side channel to producers (peer.py); anything with its two methods.
         self.peer = HttpPeer(config.peer_timeout_s)
+        # Releases go out in the background: decoding never waits on a producer.
+        self._releaser = ThreadPoolExecutor(1, thread_name_prefix="atom-kv-release")
+        self._releases: list[Future] = []
 
     # ---- consumer ----
     def get_num_new_matched_tokens(self, seq: Sequence) -> tuple[int, bool]:
@@ -129,13 +133,22 @@ class MooncakeSchedulerConnector(KVConnectorScheduler):
         if not ok:
             # The layout may have been the cause; ask again next time.
             self._peer_layouts.pop(url, None)
+        self._releases = [f for f in self._releases if not f.done()]
+        self._releases.append(
+            self._releaser.submit(self._release, url, params.get("transfer_id"))
+        )
+
+    def _release(self, url: str, transfer_id: int | None) -> None:
         try:
-            self.peer.release(url, params["transfer_id"])
-        except (PeerError, KeyError) as error:
+            self.peer.release(url, transfer_id)
+        except PeerError as error:
             # Its lease frees the blocks anyway.
-            logger.warning(
-                "release of transfer %s: %s", params.get("transfer_id"), error
-            )
+            logger.warning("release of transfer %s: %s", transfer_id, error)
+
+    def drain_releases(self) -> None:
+        """Wait until every release sent so far has been answered (or failed)."""
+        wait(self._releases)
+        self._releases = []
 
     # ---- producer ----
     def request_finished(self, seq: Sequence) -> tuple[bool, dict | None]:

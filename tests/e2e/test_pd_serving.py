@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import httpx
 import pytest
@@ -54,6 +55,14 @@ def wait_for_proxy(proc: subprocess.Popen, url: str, log_path) -> None:
         except subprocess.TimeoutExpired:
             pass
     raise AssertionError(f"router never became healthy:\n{log_path.read_text()}")
+
+
+def wait_until(condition, attempts: int = 240) -> None:
+    for _ in range(attempts):
+        if condition():
+            return
+        time.sleep(0.25)
+    raise AssertionError("condition never held")
 
 
 def streamed_token_ids(response: httpx.Response) -> list[list[int]]:

@@ -98,6 +98,8 @@ def run(engine: LLMEngine, requests: list[tuple[list[int], SamplingParams, dict]
     while engine.has_unfinished_requests():
         for output in engine.step():
             seen[output.request_id].append(output)
+    if engine.config.kv_role == "kv_consumer":
+        engine.kv_connector.drain_releases()  # they go out in the background
     return [seen[request_id] for request_id in ids]
 
 
