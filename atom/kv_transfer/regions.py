@@ -3,9 +3,10 @@
 Regions are matched by name, never by position, so a producer split into pipeline
 stages serves a consumer that is not: each stage owns the names of its own layers.
 
-- `mla.L{n}` (or `attn.L{n}`): target decoder layer n's paged KV rows, one unit
-  per block;
-- `draft.mla.{i}`: the DSpark draft's layer i context KV rows, one unit per block;
+- `mla.L{n}` (Kimi's MLA; `attn.L{n}` for MiniMax's attention): target decoder
+  layer n's paged KV rows, one unit per block;
+- `draft.mla.{i}` (`draft.attn.{i}` for the Qwen3 draft): the DSpark draft's layer
+  i context KV rows, one unit per block;
 - `kda.L{n}.conv`, `kda.L{n}.recurrent`: layer n's committed KDA state, one unit
   per state slot (the per-row verify snapshots stay behind).
 
@@ -79,7 +80,8 @@ def _layer_index(qualified_name: str) -> int:
 
 
 def _kv_prefix(layer: nn.Module) -> str:
-    return "mla" if "MLA" in type(layer).__name__ else "attn"
+    # Attention layers name their kind (`kv_region_kind`); "kv" for any other.
+    return getattr(layer, "kv_region_kind", "kv")
 
 
 def _tensor_region(name: str, tensor: torch.Tensor, kind: str) -> Region:
@@ -120,7 +122,7 @@ def cache_regions(
     if draft is not None:
         for qualified, layer in draft.named_modules():
             if isinstance(layer, PagedKVLayer) and layer.kv_cache is not None:
-                name = f"draft.mla.{_layer_index(qualified)}"
+                name = f"draft.{_kv_prefix(layer)}.{_layer_index(qualified)}"
                 regions.append(_tensor_region(name, layer.kv_cache, BLOCK))
     return regions
 

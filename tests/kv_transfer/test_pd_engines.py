@@ -13,23 +13,21 @@ engine itself (`DirectPeer`); tests/e2e/test_pd_serving.py runs it over HTTP.
 from __future__ import annotations
 
 import logging
+import random
 import time
 
 import pytest
 
-pytest.importorskip("mooncake.engine")
+from atom.distributed.rank_process import free_port
+from atom.kv_transfer.peer import HttpPeer
+from atom.kv_transfer.regions import EngineLayout
+from atom.model_engine.llm_engine import LLMEngine
+from atom.sampling_params import SamplingParams
+from tests.e2e.engine_helpers import random_tokens
+from tests.e2e.pp_probe import PAIRS, corpus_prompts, generate_ids, make_engine
 
-from atom.distributed.rank_process import free_port  # noqa: E402
-from atom.kv_transfer.peer import HttpPeer  # noqa: E402
-from atom.kv_transfer.regions import EngineLayout  # noqa: E402
-from atom.model_engine.llm_engine import LLMEngine  # noqa: E402
-from atom.sampling_params import SamplingParams  # noqa: E402
-from tests.e2e.pp_probe import (
-    PAIRS,
-    corpus_prompts,
-    generate_ids,
-    make_engine,
-)  # noqa: E402
+# Mooncake is in the `pd` extra, which CI installs; a contributor may lack it.
+pytest.importorskip("mooncake.engine")
 
 TARGET, DRAFT = PAIRS["k3"]
 PROMPTS = corpus_prompts()
@@ -184,3 +182,31 @@ def test_a_consumer_without_the_draft_is_refused_by_name(engines, caplog):
     (refusal,) = [r.message for r in caplog.records if "falling back" in r.message]
     assert "regions only on the peer: draft.mla.0" in refusal
     assert producer.scheduler.held == {}
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("single_thread_torch")
+def test_minimax_from_a_pp4_producer():
+    """The upstream case: MiniMax-M3 with its Qwen3 DSpark draft, prefilled by a
+    producer split over four stages (four rank processes), decoded on one rank."""
+    target, draft = "tiny-minimax-m3", "tiny-minimax-m3-dspark"
+    prompts = [random_tokens(random.Random(7), n) for n in (26, 45)]
+    expected = generate_ids(make_engine(target), prompts, GREEDY)
+    config = {"kv_role": "kv_producer"}
+    producer = make_engine(
+        target, draft, pipeline_parallel_size=4, kv_transfer_config=config
+    )
+    consumer = make_engine(target, draft, kv_transfer_config={"kv_role": "kv_consumer"})
+    consumer.kv_connector.peer = DirectPeer(producer)
+    try:
+        stages = producer.kv_transfer_info()["layout"]["ranks"]
+        assert [rank["pp_rank"] for rank in stages] == [0, 1, 2, 3]
+        assert "draft.attn.0" in {r["name"] for r in stages[3]["regions"]}
+        params = prefill(producer, prompts)
+        remote = [{**kv, "remote_url": "producer"} for kv in params]
+        runs = run(consumer, [(p, GREEDY, kv) for p, kv in zip(prompts, remote)])
+        assert [outputs[-1].output_token_ids for outputs in runs] == expected
+        assert producer.scheduler.held == {}
+    finally:
+        producer.close()
+        consumer.close()
