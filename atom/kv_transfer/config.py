@@ -26,6 +26,9 @@ class KVTransferConfig:
     kv_lease_timeout_s: float = 120.0
     # Longest wait for the producer's side channel (layout, release) on a consumer.
     peer_timeout_s: float = 10.0
+    # Consumer: accept a producer without the draft's context rows and leave them
+    # cold (output unchanged, acceptance lower); refused otherwise.
+    allow_cold_draft: bool = False
 
     def __post_init__(self) -> None:
         if self.kv_role not in PD_ROLES:
@@ -37,6 +40,11 @@ class KVTransferConfig:
             raise ValueError(
                 f"kv_transfer_config protocol {self.protocol!r}; "
                 f"allowed: {', '.join(PROTOCOLS)}"
+            )
+        if not isinstance(self.allow_cold_draft, bool):
+            raise ValueError(
+                "kv_transfer_config allow_cold_draft must be true or false, "
+                f"got {self.allow_cold_draft!r}"
             )
         for name in ("kv_lease_timeout_s", "peer_timeout_s"):
             value = getattr(self, name)

@@ -27,6 +27,7 @@ from atom.kv_transfer.connector import (
 from atom.kv_transfer.peer import HttpPeer, PeerError
 from atom.kv_transfer.regions import (
     BLOCK,
+    DRAFT_PREFIX,
     EngineLayout,
     LayoutMismatch,
     RankLayout,
@@ -98,7 +99,7 @@ class MooncakeSchedulerConnector(KVConnectorScheduler):
                 f"{params.get('num_prompt_tokens')} on the producer"
             )
         remote = self._peer_layout(params["remote_url"])
-        check_same_layout(self.local_layout, remote)
+        check_same_layout(self.local_layout, remote, self.config.allow_cold_draft)
         num_blocks = ceil_div(seq.num_prompt_tokens, self.local_layout.block_size)
         remote_blocks = [int(b) for b in params["remote_block_ids"]][:num_blocks]
         if len(remote_blocks) != num_blocks:
@@ -193,6 +194,7 @@ class MooncakeWorkerConnector(KVConnectorWorker):
                 f"{config.protocol} (status {status})"
             )
         self.address = f"{config.host}:{self.engine.get_rpc_port()}"
+        self.allow_cold_draft = config.allow_cold_draft
         self.regions: list[Region] = []
         self.tp_rank = 0
         self._done = KVConnectorOutput()
@@ -232,6 +234,8 @@ class MooncakeWorkerConnector(KVConnectorWorker):
         reads: dict[str, list[tuple[int, int, int]]] = defaultdict(list)
         for local in self.regions:
             if local.name not in owners:
+                if self.allow_cold_draft and local.name.startswith(DRAFT_PREFIX):
+                    continue  # left cold: the consumer asked for that
                 raise LayoutMismatch(f"the producer has no region {local.name}")
             address, remote = owners[local.name]
             if local.kind == BLOCK:

@@ -27,6 +27,8 @@ from torch import nn
 from atom.models.interfaces import PagedKVLayer, RecurrentStateLayer
 
 BLOCK, SLOT = "block", "slot"
+# The DSpark draft's context rows: a consumer may leave them cold (`allow_cold_draft`).
+DRAFT_PREFIX = "draft."
 # The KDA state called `ssm` by the layer (models/kimi/kda.py) travels as `recurrent`.
 STATE_REGION_NAMES = {"ssm": "recurrent"}
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
@@ -169,8 +171,11 @@ class EngineLayout:
         return layout
 
 
-def check_same_layout(local: EngineLayout, remote: EngineLayout) -> None:
-    """Raise LayoutMismatch naming every difference between the two layouts."""
+def check_same_layout(
+    local: EngineLayout, remote: EngineLayout, allow_cold_draft: bool = False
+) -> None:
+    """Raise LayoutMismatch naming every difference between the two layouts;
+    `allow_cold_draft` forgives draft regions the remote side lacks."""
     if local.fingerprint() == remote.fingerprint():
         return
     problems = []
@@ -185,7 +190,10 @@ def check_same_layout(local: EngineLayout, remote: EngineLayout) -> None:
         )
     mine = _signature(local.regions_of_tp_rank(0))
     theirs = _signature(remote.regions_of_tp_rank(0))
-    if only_here := sorted(set(mine) - set(theirs)):
+    only_here = sorted(set(mine) - set(theirs))
+    if allow_cold_draft:
+        only_here = [name for name in only_here if not name.startswith(DRAFT_PREFIX)]
+    if only_here:
         problems.append(f"regions only here: {', '.join(only_here)}")
     if only_there := sorted(set(theirs) - set(mine)):
         problems.append(f"regions only on the peer: {', '.join(only_there)}")
@@ -195,4 +203,5 @@ def check_same_layout(local: EngineLayout, remote: EngineLayout) -> None:
                 f"{name}: (unit bytes, dtype, kind) {mine[name]} here, "
                 f"{theirs[name]} there"
             )
-    raise LayoutMismatch("KV layouts differ: " + "; ".join(problems))
+    if problems:
+        raise LayoutMismatch("KV layouts differ: " + "; ".join(problems))

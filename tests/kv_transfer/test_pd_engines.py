@@ -67,9 +67,9 @@ class RoutingPeer(DirectPeer):
             self.http.release(url, transfer_id)
 
 
-def pd_engine(role: str, draft: str | None = DRAFT) -> LLMEngine:
+def pd_engine(role: str, draft: str | None = DRAFT, **settings) -> LLMEngine:
     config = {"kv_role": role, "kv_connector": "mooncake", "protocol": "tcp"}
-    config["kv_lease_timeout_s"] = LEASE_S
+    config.update(kv_lease_timeout_s=LEASE_S, **settings)
     return make_engine(TARGET, draft, kv_transfer_config=config)
 
 
@@ -182,6 +182,34 @@ def test_a_consumer_without_the_draft_is_refused_by_name(engines, caplog):
     (refusal,) = [r.message for r in caplog.records if "falling back" in r.message]
     assert "regions only on the peer: draft.mla.0" in refusal
     assert producer.scheduler.held == {}
+
+
+def test_draft_rows_withheld_keep_the_tokens_and_lower_acceptance(engines, caplog):
+    """A producer without the draft sends no context rows: a DSpark consumer
+    refuses it, unless allowed to leave its draft cold; then its greedy tokens
+    stay, and only acceptance falls below the aggregated run's."""
+    _, _, expected, aggregated_acceptance = engines
+    plain_producer = pd_engine("kv_producer", draft=None)
+    strict = pd_engine("kv_consumer")
+    cold = pd_engine("kv_consumer", allow_cold_draft=True)
+    try:
+        for consumer in (strict, cold):
+            consumer.kv_connector.peer = DirectPeer(plain_producer)
+        (kv,) = prefill(plain_producer, PROMPTS[:1])
+        with caplog.at_level(logging.WARNING):
+            run(strict, [(PROMPTS[0], GREEDY, {**kv, "remote_url": "producer"})])
+        assert "regions only here: draft.mla.0, draft.mla.1" in caplog.text
+        params = prefill(plain_producer)
+        remote = [{**p, "remote_url": "producer"} for p in params]
+        runs = run(cold, [(p, GREEDY, kv) for p, kv in zip(PROMPTS, remote)])
+        assert [outputs[-1].output_token_ids for outputs in runs] == expected
+        falls = [r for r in caplog.records if "falling back" in r.message]
+        assert len(falls) == 1  # the strict consumer's refusal only
+        rate = cold.get_spec_decode_stats()["acceptance_rate"]
+        assert rate < aggregated_acceptance["acceptance_rate"]
+    finally:
+        for engine in (plain_producer, strict, cold):
+            engine.close()
 
 
 @pytest.mark.slow
