@@ -12,10 +12,10 @@ from atom.distributed.parallel_state import get_pp_group, get_tp_group
 from atom.kv_transfer.connector import ConnectorMetadata, KVConnectorOutput
 from atom.kv_transfer.factory import create_worker_connector
 from atom.kv_transfer.regions import cache_regions
-from atom.model_engine.batch import SeqWork
 from atom.model_ops.sampling_metadata import SamplingMetadata
 
 if TYPE_CHECKING:
+    from atom.model_engine.batch import SeqWork
     from atom.model_engine.model_runner import ModelRunner
 
 

@@ -19,7 +19,9 @@ from tqdm import tqdm
 
 from atom.config import Config
 from atom.kv_transfer.connector import KVConnectorScheduler, merge_outputs
-from atom.kv_transfer.rank_calls import bootstrap_drafts, load_kv
+from atom.kv_transfer.factory import create_scheduler_connector
+from atom.kv_transfer.rank_calls import bootstrap_drafts, load_kv, rank_kv_layout
+from atom.kv_transfer.regions import EngineLayout, RankLayout
 from atom.model_engine.batch import ScheduledBatch
 from atom.model_engine.output_processor import OutputProcessor, RequestOutput
 from atom.model_engine.scheduler import Scheduler
@@ -87,10 +89,6 @@ class LLMEngine:
         transfer = self.config.kv_transfer
         if transfer is None:
             return None
-        from atom.kv_transfer.factory import create_scheduler_connector
-        from atom.kv_transfer.rank_calls import rank_kv_layout
-        from atom.kv_transfer.regions import EngineLayout, RankLayout
-
         connector = create_scheduler_connector(transfer)
         ranks = [RankLayout.from_dict(d) for d in self.workers.call(rank_kv_layout)]
         connector.local_layout = EngineLayout(
