@@ -44,16 +44,22 @@ class KVConnectorOutput:
     failed_recving: dict[int, str] = field(default_factory=dict)
 
 
-def merge_outputs(outputs: list[KVConnectorOutput]) -> KVConnectorOutput:
-    """Every rank's report into one: done when all ranks are done, failed when any
-    failed (the first reason is kept)."""
+def merge_outputs(
+    outputs: list[KVConnectorOutput], expected: set[int]
+) -> KVConnectorOutput:
+    """Every rank's report on the receives `expected` into one: done when all ranks
+    are done, failed when any failed (the first reason is kept) or when a rank did
+    not report it (so a parked request never waits forever)."""
     merged = KVConnectorOutput()
     for output in outputs:
         for seq_id, reason in output.failed_recving.items():
             merged.failed_recving.setdefault(seq_id, reason)
-    if outputs:
-        done = set.intersection(*(o.finished_recving for o in outputs))
-        merged.finished_recving = done - set(merged.failed_recving)
+    done = (
+        set.intersection(*(o.finished_recving for o in outputs)) if outputs else set()
+    )
+    merged.finished_recving = (done & expected) - set(merged.failed_recving)
+    for seq_id in expected - merged.finished_recving - set(merged.failed_recving):
+        merged.failed_recving[seq_id] = "not every rank reported its receive"
     return merged
 
 

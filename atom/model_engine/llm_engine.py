@@ -137,7 +137,7 @@ class LLMEngine:
             return []
         meta = self.kv_connector.build_connector_meta()
         reports = self.workers.call(partial(load_kv, meta)) if meta.reqs_to_recv else []
-        result = merge_outputs(reports)
+        result = merge_outputs(reports, {req.seq_id for req in meta.reqs_to_recv})
         result.failed_recving.update(self.kv_connector.take_failures())
         received = self.scheduler.finish_receives(result)
         self._bootstrap_drafts([seq for seq in received if not seq.is_finished])
