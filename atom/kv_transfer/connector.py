@@ -88,6 +88,11 @@ class KVConnectorScheduler(ABC):
         """(hold the request's blocks for the peer, kv_transfer_params to return)."""
 
     @abstractmethod
+    def abort(self, seq: Sequence) -> None:
+        """A parked request ended before its receive: forget it, let the producer
+        free its blocks."""
+
+    @abstractmethod
     def lease_deadline(self) -> float:
         """Monotonic time until which a producer holds a finished request's blocks."""
 

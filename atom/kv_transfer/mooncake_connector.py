@@ -122,6 +122,10 @@ class MooncakeSchedulerConnector(KVConnectorScheduler):
             self._peer_layouts[url] = self.peer.layout(url)
         return self._peer_layouts[url]
 
+    def abort(self, seq: Sequence) -> None:
+        self._queued = [queued for queued in self._queued if queued is not seq]
+        self.request_received(seq, ok=False)
+
     def take_failures(self) -> dict[int, str]:
         failures, self._failures = self._failures, {}
         return failures

@@ -479,6 +479,7 @@ class Scheduler:
                 self._release(seq)
         elif seq.status is SequenceStatus.WAITING_FOR_REMOTE_KVS:
             self._unpark(seq)
+            self.connector.abort(seq)
         else:
             self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED

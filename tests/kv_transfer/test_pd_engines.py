@@ -169,6 +169,25 @@ def test_failed_transfers_fall_back_to_local_prefill(engines, caplog):
     assert (free_blocks(producer), free_blocks(consumer)) == start
 
 
+def test_a_request_aborted_while_parked_frees_both_sides(engines):
+    producer, consumer, expected, _ = engines
+    start = free_blocks(producer), free_blocks(consumer)
+    first, second = prefill(producer, PROMPTS[:2])
+    parked = consumer.add_request(
+        PROMPTS[0], GREEDY, kv_transfer_params={**first, "remote_url": "producer"}
+    )
+    consumer.step()  # admitted and parked; its receive comes with the next step
+    assert len(consumer.scheduler.parked) == 1
+    consumer.abort_request(parked)
+    # The next receive must not read into the aborted request's freed blocks.
+    (outputs,) = run(
+        consumer, [(PROMPTS[1], GREEDY, {**second, "remote_url": "producer"})]
+    )
+    assert outputs[-1].output_token_ids == expected[1]
+    assert producer.scheduler.held == {} and consumer.scheduler.parked == []
+    assert (free_blocks(producer), free_blocks(consumer)) == start
+
+
 def test_a_consumer_without_the_draft_is_refused_by_name(engines, caplog):
     producer, _, expected, _ = engines
     plain = pd_engine("kv_consumer", draft=None)
