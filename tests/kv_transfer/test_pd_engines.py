@@ -24,7 +24,13 @@ from atom.kv_transfer.regions import EngineLayout
 from atom.model_engine.llm_engine import LLMEngine
 from atom.sampling_params import SamplingParams
 from tests.e2e.engine_helpers import random_tokens
-from tests.e2e.pp_probe import PAIRS, corpus_prompts, generate_ids, make_engine
+from tests.e2e.pp_probe import (
+    PAIRS,
+    corpus_prompts,
+    embedding_facts,
+    generate_ids,
+    make_engine,
+)
 
 # Mooncake is in the `pd` extra, which CI installs; a contributor may lack it.
 pytest.importorskip("mooncake.engine")
@@ -248,6 +254,10 @@ def test_minimax_from_a_pp4_producer():
     try:
         stages = producer.kv_transfer_info()["layout"]["ranks"]
         assert [rank["pp_rank"] for rank in stages] == [0, 1, 2, 3]
+        # Context-only: the last stage builds no embedding, its draft binds none.
+        last = producer.workers.call(embedding_facts)[3]
+        assert not last["target_embedding_real"] and last["draft_embedding_is_none"]
+        assert producer.workers.info.ranks[3].memory_ledger["embedding"] == 0
         assert "draft.attn.0" in {r["name"] for r in stages[3]["regions"]}
         params = prefill(producer, prompts)
         remote = [{**kv, "remote_url": "producer"} for kv in params]
