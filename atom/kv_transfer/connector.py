@@ -63,6 +63,28 @@ def merge_outputs(
     return merged
 
 
+def check_remote_prefill_params(params: dict, vocab_size: int | None) -> None:
+    """Refuse, with a ValueError naming the field, consumer params that would break
+    the engine rather than just fail their receive (which falls back to prefill)."""
+    if not params.get("do_remote_prefill"):
+        return
+    first = params.get("first_token_id")
+    if not isinstance(first, int) or isinstance(first, bool) or first < 0:
+        raise ValueError(
+            f"kv_transfer_params.first_token_id must be a token id, got {first!r}"
+        )
+    if vocab_size is not None and first >= vocab_size:
+        raise ValueError(
+            f"kv_transfer_params.first_token_id {first} is outside the vocabulary "
+            f"(size {vocab_size})"
+        )
+    if not isinstance(params.get("remote_url"), str):
+        raise ValueError(
+            "kv_transfer_params.remote_url must be the producer's URL (the router "
+            "adds it)"
+        )
+
+
 class KVConnectorScheduler(ABC):
     """Scheduler side (engine process)."""
 

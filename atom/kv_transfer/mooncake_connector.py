@@ -86,8 +86,8 @@ class MooncakeSchedulerConnector(KVConnectorScheduler):
         for seq in self._queued:
             try:
                 meta.reqs_to_recv.append(self._req_meta(seq))
-            except (PeerError, LayoutMismatch, KeyError, TypeError, ValueError) as e:
-                self._failures[seq.seq_id] = f"{type(e).__name__}: {e}"
+            except Exception as error:  # this request's to fail, not the engine's
+                self._failures[seq.seq_id] = f"{type(error).__name__}: {error}"
         self._queued = []
         return meta
 

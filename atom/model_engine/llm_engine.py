@@ -18,7 +18,11 @@ from functools import partial
 from tqdm import tqdm
 
 from atom.config import Config
-from atom.kv_transfer.connector import KVConnectorScheduler, merge_outputs
+from atom.kv_transfer.connector import (
+    KVConnectorScheduler,
+    check_remote_prefill_params,
+    merge_outputs,
+)
 from atom.kv_transfer.factory import create_scheduler_connector
 from atom.kv_transfer.rank_calls import bootstrap_drafts, load_kv, rank_kv_layout
 from atom.kv_transfer.regions import EngineLayout, RankLayout
@@ -191,6 +195,8 @@ class LLMEngine:
         vocab = self.config.hf_config.text.get("vocab_size")
         if vocab is not None and any(not 0 <= t < vocab for t in token_ids):
             raise ValueError(f"prompt token ids must lie in [0, {vocab})")
+        if kv_transfer_params is not None:
+            check_remote_prefill_params(kv_transfer_params, vocab)
         self._check_fits_context(len(token_ids), params.max_tokens)
         if params.seed is None:
             # Sampling draws from uniforms keyed by the request's seed, so every

@@ -175,6 +175,23 @@ def test_failed_transfers_fall_back_to_local_prefill(engines, caplog):
     assert (free_blocks(producer), free_blocks(consumer)) == start
 
 
+def test_params_that_would_break_the_engine_are_refused(engines):
+    _, consumer, _, _ = engines
+    remote = {"do_remote_prefill": True, "remote_url": "producer"}
+    for bad, named in (
+        ({**remote, "first_token_id": 10**9}, "outside the vocabulary"),
+        ({**remote, "first_token_id": "a"}, "first_token_id must be a token id"),
+        ({**remote, "first_token_id": 3, "remote_url": 7}, "remote_url must be"),
+    ):
+        with pytest.raises(ValueError, match=named):
+            consumer.add_request(PROMPTS[0], GREEDY, kv_transfer_params=bad)
+    assert consumer.scheduler.is_finished()
+    plain = make_engine(TARGET)
+    with pytest.raises(ValueError, match="runs without --kv-transfer-config"):
+        plain.add_request(PROMPTS[0], GREEDY, kv_transfer_params=remote)
+    plain.close()
+
+
 def test_a_request_aborted_while_parked_frees_both_sides(engines):
     producer, consumer, expected, _ = engines
     start = free_blocks(producer), free_blocks(consumer)
