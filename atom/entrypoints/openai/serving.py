@@ -85,8 +85,9 @@ def error_for(exc: BaseException) -> APIError:
 
 
 def with_transfer_params(response: BaseModel, output: Any) -> dict[str, Any]:
-    """The response as JSON, with a P/D producer's kv_transfer_params at top level
-    (where the router reads them); other responses are unchanged."""
+    """The response (or a stream's last chunk) as JSON, with a P/D producer's
+    kv_transfer_params at top level, where the router reads them; other responses
+    are unchanged."""
     body = response.model_dump()
     if output.kv_transfer_params is not None:
         body["kv_transfer_params"] = output.kv_transfer_params
@@ -433,7 +434,8 @@ class OpenAIServing:
             try:
                 while True:
                     if output.finished:
-                        final = pending + sse_frame(chunk(output, output.finish_reason))
+                        last = chunk(output, output.finish_reason)
+                        final = pending + sse_frame(with_transfer_params(last, output))
                         if include_usage:
                             final += sse_frame(usage_chunk(self._usage([output])))
                         yield final + SSE_DONE
