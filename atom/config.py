@@ -15,10 +15,13 @@ from atom.utils.arithmetic import ceil_div
 if TYPE_CHECKING:
     import torch
 
-# A decode node of P/D (kv_consumer) needs KV transfer, which atom has not; it is
-# refused by name until then rather than accepted and run as a plain engine.
+    from atom.kv_transfer.config import KVTransferConfig
+
+# `--kv-role` alone makes only a context-only producer (placement, no proposals);
+# a decode node (kv_consumer) receives KV, so it needs `--kv-transfer-config`,
+# which names the connector and sets the role of either side (docs/pd.md).
 KV_ROLES = ("none", "kv_producer")
-NOT_YET_KV_ROLES = ("kv_consumer",)
+TRANSFER_ONLY_KV_ROLES = ("kv_consumer",)
 # Only methods with a drafter (`spec_decode/factory.py`) are offered.
 SPECULATIVE_METHODS = ("dspark",)
 # Names of torch dtypes: torch is imported only where a dtype is resolved, so that
@@ -247,6 +250,8 @@ class EngineSettings:
     # Batch sizes to capture; None: the default ladder up to max_num_seqs.
     cudagraph_capture_sizes: list[int] | None = None
     kv_role: str = "none"
+    # JSON text or object (`kv_transfer/config.py`); None: no KV moves between engines.
+    kv_transfer_config: str | dict | None = None
     pp_layer_partition: list[int] | None = None
     method: str | None = None
     draft_model: str | None = None
@@ -278,6 +283,8 @@ class Config(EngineSettings):
     attention_backend: str | None = None
     # Built from method, draft_model and num_speculative_tokens.
     speculative_config: SpeculativeConfig | None = field(default=None, init=False)
+    # Parsed from kv_transfer_config.
+    kv_transfer: KVTransferConfig | None = field(default=None, init=False)
     # Set under torchrun, whose agent serves the rendezvous store itself.
     store_hosted_elsewhere: bool = field(default=False, init=False)
     # Built once from the settings above; the scheduler and every runner share it.
@@ -288,12 +295,8 @@ class Config(EngineSettings):
     def __post_init__(self) -> None:
         from atom.models.tiny import resolve_model_path
 
-        if self.kv_role in NOT_YET_KV_ROLES:
-            raise ValueError(
-                f"kv_role {self.kv_role!r} is not served yet: atom transfers no KV "
-                f"between prefill and decode nodes; allowed: {', '.join(KV_ROLES)}"
-            )
-        if self.kv_role not in KV_ROLES:
+        self._resolve_kv_transfer()
+        if self.kv_role not in KV_ROLES + TRANSFER_ONLY_KV_ROLES:
             raise ValueError(
                 f"unknown kv_role {self.kv_role!r}; allowed: {', '.join(KV_ROLES)}"
             )
@@ -330,6 +333,28 @@ class Config(EngineSettings):
         _ = self.parallel_config, self.node_layout
         self.limits = self._build_limits()
         self._validate_parallel(text)
+
+    def _resolve_kv_transfer(self) -> None:
+        """The P/D role: kv_transfer_config's kv_role, which kv_role may repeat."""
+        if self.kv_transfer_config is None:
+            if self.kv_role in TRANSFER_ONLY_KV_ROLES:
+                raise ValueError(
+                    f"kv_role {self.kv_role!r} receives KV from a producer, so it "
+                    "needs --kv-transfer-config naming the connector, e.g. "
+                    '\'{"kv_role": "kv_consumer", "kv_connector": "mooncake"}\''
+                )
+            return
+        from atom.kv_transfer.config import KVTransferConfig
+        from atom.kv_transfer.factory import check_connector_name
+
+        self.kv_transfer = KVTransferConfig.parse(self.kv_transfer_config)
+        check_connector_name(self.kv_transfer)
+        if self.kv_role not in ("none", self.kv_transfer.kv_role):
+            raise ValueError(
+                f"kv_role {self.kv_role!r} contradicts kv_transfer_config's "
+                f"kv_role {self.kv_transfer.kv_role!r}"
+            )
+        self.kv_role = self.kv_transfer.kv_role
 
     def _resolve_environment(self) -> None:
         """Fill the settings the caller left unset from the environment, and check

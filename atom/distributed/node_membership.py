@@ -42,6 +42,7 @@ RANK_SETTINGS = (
     "enable_prefix_caching",
     "enable_chunked_prefill",
     "kv_role",
+    "kv_transfer_config",
     "pp_layer_partition",
     "method",
     "num_speculative_tokens",

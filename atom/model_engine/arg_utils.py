@@ -41,7 +41,6 @@ UNSUPPORTED_ENGINE_FLAGS: dict[tuple[str, ...], str] = {
     ("--enable-tbo",): "",
     ("--prefill-context-parallel-size",): "",
     ("--decode-context-parallel-size",): "",
-    ("--kv-transfer-config",): "use --kv-role",
     ("--kv-cache-dtype",): "",
     ("--cudagraph-mode",): "",
     ("--level",): "",
@@ -268,6 +267,12 @@ class EngineArgs(EngineSettings):
             help="online weight quantization as ATOM writes it, e.g. "
             '\'{"global_quant_config": "ptpc_fp8"}\' (fp8 weights per output '
             "channel, fp8 activations per token); None = the checkpoint's weights",
+        )
+        parser.add_argument(
+            "--kv-transfer-config",
+            default=None,
+            help='P/D disaggregation as JSON, e.g. \'{"kv_role": "kv_producer", '
+            '"kv_connector": "mooncake"}\' (docs/pd.md)',
         )
         parser.add_argument(
             "--pp-layer-partition",

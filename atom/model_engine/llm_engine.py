@@ -13,10 +13,19 @@ import random
 import time
 from collections import deque
 from dataclasses import fields, replace
+from functools import partial
 
 from tqdm import tqdm
 
 from atom.config import Config
+from atom.kv_transfer.connector import (
+    KVConnectorScheduler,
+    check_remote_prefill_params,
+    merge_outputs,
+)
+from atom.kv_transfer.factory import create_scheduler_connector
+from atom.kv_transfer.rank_calls import bootstrap_drafts, load_kv, rank_kv_layout
+from atom.kv_transfer.regions import EngineLayout, RankLayout
 from atom.model_engine.batch import ScheduledBatch
 from atom.model_engine.output_processor import OutputProcessor, RequestOutput
 from atom.model_engine.scheduler import Scheduler
@@ -54,11 +63,13 @@ class LLMEngine:
         else:
             self.workers = WorkerGroup(config)
         info = self.workers.info
+        self.kv_connector = self._kv_connector()
         self.scheduler = Scheduler(
             config.limits,
             info.num_kv_blocks,
             has_recurrent_state=info.has_recurrent_state,
             eos_token_id=self._eos_token_id(),
+            connector=self.kv_connector,
         )
         self.outputs = OutputProcessor(self.tokenizer)
         # Seeds of requests that come without one; Config.seed makes them repeatable.
@@ -77,6 +88,81 @@ class LLMEngine:
             config.describe_settings(),
         )
 
+    def _kv_connector(self) -> KVConnectorScheduler | None:
+        """P/D: the scheduler side, told every rank's registered regions."""
+        transfer = self.config.kv_transfer
+        if transfer is None:
+            return None
+        connector = create_scheduler_connector(transfer)
+        ranks = [RankLayout.from_dict(d) for d in self.workers.call(rank_kv_layout)]
+        connector.local_layout = EngineLayout(
+            self.config.block_size,
+            self.config.tensor_parallel_size,
+            self.config.pipeline_parallel_size,
+            ranks,
+        )
+        logger.info(
+            "P/D %s over %s (%s), layout %s",
+            transfer.kv_role,
+            transfer.kv_connector,
+            transfer.protocol,
+            connector.local_layout.fingerprint()[:16],
+        )
+        return connector
+
+    def kv_transfer_info(self) -> dict:
+        """`GET /kv_transfer_info`: the role, the topology and, for a consumer's
+        handshake, every rank's regions."""
+        config = self.config
+        info = {
+            "kv_role": config.kv_role,
+            "tp_size": config.tensor_parallel_size,
+            "pp_size": config.pipeline_parallel_size,
+            "dp_size": 1,
+            # Producer: finished requests whose blocks wait for a consumer;
+            # consumer: requests waiting for their KV.
+            "held_transfers": len(self.scheduler.held),
+            "parked_requests": len(self.scheduler.parked),
+        }
+        if self.kv_connector is not None:
+            info["kv_connector"] = config.kv_transfer.kv_connector
+            info["layout"] = self.kv_connector.local_layout.to_dict()
+        return info
+
+    def release_kv_transfer(self, transfer_id: int) -> bool:
+        """The consumer has the blocks of `transfer_id` (or gave up): free them."""
+        return self.scheduler.release_transfer(transfer_id)
+
+    def _receive_kv(self) -> list[RequestOutput]:
+        """Consumer: receive every parked request's KV while no batch is in flight
+        (the ranks answer calls in order); producer: end overdue leases."""
+        self.scheduler.expire_leases(time.monotonic())
+        if not self.scheduler.parked or self.in_flight:
+            return []
+        meta = self.kv_connector.build_connector_meta()
+        reports = self.workers.call(partial(load_kv, meta)) if meta.reqs_to_recv else []
+        result = merge_outputs(reports, {req.seq_id for req in meta.reqs_to_recv})
+        result.failed_recving.update(self.kv_connector.take_failures())
+        received = self.scheduler.finish_receives(result)
+        self._bootstrap_drafts([seq for seq in received if not seq.is_finished])
+        return [
+            self._output_of(self.outputs.request_of_seq[seq.seq_id])
+            for seq in received
+            if seq.seq_id in self.outputs.request_of_seq
+        ]
+
+    def _bootstrap_drafts(self, seqs: list[Sequence]) -> None:
+        """Received requests start decoding with the drafts the aggregated engine
+        would have proposed after their prefill, so acceptance matches it."""
+        if not seqs or self.config.speculative_config is None:
+            return
+        works = self.scheduler.bootstrap_works(seqs)
+        anchors = [seq.last_token for seq in seqs]
+        replies = self.workers.call(partial(bootstrap_drafts, works, anchors))
+        drafts = next(reply for reply in replies if reply is not None)
+        for seq, ids in zip(seqs, drafts):
+            seq.spec_token_ids = ids
+
     def _eos_token_id(self) -> int | list[int] | None:
         hf = self.config.hf_config
         eos = hf.get("eos_token_id", hf.text.get("eos_token_id"))
@@ -90,8 +176,14 @@ class LLMEngine:
         prompt: str | list[int],
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
+        kv_transfer_params: dict | None = None,
     ) -> str:
         params = sampling_params or SamplingParams()
+        if kv_transfer_params is not None and self.kv_connector is None:
+            raise ValueError(
+                "kv_transfer_params given, but this engine runs without "
+                "--kv-transfer-config"
+            )
         if self.tokenizer is None:
             self._check_tokenizer_free(prompt, params)
         if isinstance(prompt, str):
@@ -103,13 +195,17 @@ class LLMEngine:
         vocab = self.config.hf_config.text.get("vocab_size")
         if vocab is not None and any(not 0 <= t < vocab for t in token_ids):
             raise ValueError(f"prompt token ids must lie in [0, {vocab})")
+        if kv_transfer_params is not None:
+            check_remote_prefill_params(kv_transfer_params, vocab)
         self._check_fits_context(len(token_ids), params.max_tokens)
         if params.seed is None:
             # Sampling draws from uniforms keyed by the request's seed, so every
             # request needs one; the caller's object is left as it was.
             seed = self.request_seeds.getrandbits(63)
             params = replace(params, seed=seed)
-        seq = Sequence(token_ids, params, request_id)
+        seq = Sequence(
+            token_ids, params, request_id, kv_transfer_params=kv_transfer_params
+        )
         self.scheduler.add(seq)
         try:
             self.outputs.add(seq)
@@ -159,7 +255,10 @@ class LLMEngine:
 
     # ---- stepping ----
     def step(self) -> list[RequestOutput]:
+        received = self._receive_kv() if self.kv_connector is not None else []
         while len(self.in_flight) < self.max_in_flight:
+            if self.scheduler.parked and self.in_flight:
+                break  # drain the pipeline so the parked requests can receive
             batch = self.scheduler.schedule()
             if batch is None:
                 break
@@ -169,10 +268,10 @@ class LLMEngine:
             else:
                 self.scheduler.postprocess(batch, None)
         if not self.in_flight:
-            return []
+            return received
         batch = self.in_flight.popleft()
         self.scheduler.postprocess(batch, self.workers.receive_output())
-        results = []
+        results = received
         for work in batch.work:
             request_id = self.outputs.request_of_seq.get(work.seq_id)
             if work.sample and request_id is not None:

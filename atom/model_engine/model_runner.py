@@ -17,6 +17,8 @@ import torch.distributed as dist
 from atom.config import Config
 from atom.distributed.parallel_state import get_pp_group, get_tp_group
 from atom.distributed.pp_comm import recv_tensor_dict, send_tensor_dict
+from atom.kv_transfer.connector import KVConnectorWorker
+from atom.kv_transfer.regions import RankLayout
 from atom.model_engine.batch import BatchOutput, ScheduledBatch, SeqWork
 from atom.model_engine.cache_engine import CacheEngine
 from atom.model_engine.cuda_graph import DecodeGraphs, capture_sizes
@@ -72,6 +74,9 @@ class ModelRunner:
         self.cache: CacheEngine | None = None
         self.graphs: DecodeGraphs | None = None
         self.use_graphs = self._can_capture_graphs()
+        # P/D (kv_transfer/rank_calls.py): set once the caches are registered.
+        self.kv_connector: KVConnectorWorker | None = None
+        self.kv_layout: RankLayout | None = None
         self.memory_ledger = memory_ledger(self.model, self.drafter)
         log_memory_ledger(self.memory_ledger)
 

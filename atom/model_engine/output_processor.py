@@ -24,6 +24,8 @@ class RequestOutput:
     error: str | None = None
     # Seconds the request waited to be scheduled (Sequence.queue_time).
     queue_time: float | None = None
+    # P/D producer: where the consumer finds this request's KV (docs/pd.md).
+    kv_transfer_params: dict | None = None
 
 
 @dataclass
@@ -122,6 +124,7 @@ class OutputProcessor:
             finished=finished,
             finish_reason="stop" if hit else seq.finish_reason,
             queue_time=seq.queue_time,
+            kv_transfer_params=seq.kv_transfer_output,
         )
         if finished:
             self.drop(request_id)

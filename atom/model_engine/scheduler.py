@@ -14,6 +14,7 @@ which is what makes scheduling ahead of the outputs safe.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -27,6 +28,9 @@ from atom.spec_decode.metrics import SpecDecodeStats
 
 if TYPE_CHECKING:
     from atom.config import EngineLimits
+    from atom.kv_transfer.connector import KVConnectorOutput, KVConnectorScheduler
+
+logger = logging.getLogger(__name__)
 
 
 class Scheduler:
@@ -36,8 +40,11 @@ class Scheduler:
         num_kv_blocks: int,
         has_recurrent_state: bool = False,
         eos_token_id: int | Iterable[int] | None = None,
+        connector: KVConnectorScheduler | None = None,
     ) -> None:
         limits.check_kv_blocks(num_kv_blocks)
+        # P/D (docs/pd.md): None on an engine that moves no KV.
+        self.connector = connector
         self.limits = limits
         self.has_recurrent_state = has_recurrent_state
         eos = [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id
@@ -61,6 +68,11 @@ class Scheduler:
 
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        # P/D consumer: admitted, waiting for their KV (count toward max_num_seqs).
+        self.parked: list[Sequence] = []
+        # P/D producer: finished requests whose blocks wait for the consumer,
+        # by transfer id, with the monotonic time their lease ends.
+        self.held: dict[int, tuple[Sequence, float]] = {}
         self._live: dict[int, Sequence] = {}
         self._by_request: dict[str, Sequence] = {}
         self._next_batch_id = 0
@@ -94,14 +106,14 @@ class Scheduler:
         return seq
 
     def is_finished(self) -> bool:
-        return not self.waiting and not self.running
+        return not self.waiting and not self.running and not self.parked
 
     def stats(self) -> dict[str, int | float]:
         """Gauges and counters for /metrics (entrypoints/openai/metrics.py names them)."""
         bm = self.block_manager
         return {
             "requests_running": len(self.running),
-            "requests_waiting": len(self.waiting),
+            "requests_waiting": len(self.waiting) + len(self.parked),
             "kv_cache_blocks_used": bm.num_used_blocks,
             "kv_cache_blocks_free": bm.num_free_blocks,
             "kv_cache_blocks_total": bm.num_total_blocks,
@@ -144,8 +156,17 @@ class Scheduler:
                     works.append(work)
                     budget -= work.num_rows
         max_num_seqs = self.limits.max_num_seqs
-        while self.waiting and budget > 0 and len(self.running) < max_num_seqs:
+        while (
+            self.waiting
+            and budget > 0
+            and len(self.running) + len(self.parked) < max_num_seqs
+        ):
             seq = self.waiting[0]
+            if self._receives_kv(seq):
+                if not self._admit_remote(seq):
+                    break
+                self.waiting.popleft()
+                continue
             if not self._admit(seq, budget):
                 break
             self.waiting.popleft()
@@ -180,6 +201,103 @@ class Scheduler:
         if seq.first_scheduled_time is None:
             seq.first_scheduled_time = time.monotonic()
         return True
+
+    def _receives_kv(self, seq: Sequence) -> bool:
+        if self.connector is None:
+            return False
+        return self.connector.get_num_new_matched_tokens(seq)[1]
+
+    def _admit_remote(self, seq: Sequence) -> bool:
+        """Allocate for a request whose prompt KV comes from a producer and park it;
+        the whole prompt arrives (no prefix reuse: its KDA state comes along)."""
+        bm = self.block_manager
+        lookahead = self.limits.num_speculative_tokens
+        if not self.state_slots.can_allocate() or not bm.can_allocate(
+            seq, 0, lookahead
+        ):
+            return False
+        bm.allocate(seq, 0, lookahead)
+        seq.state_slot = self.state_slots.allocate()
+        seq.status = SequenceStatus.WAITING_FOR_REMOTE_KVS
+        if seq.first_scheduled_time is None:
+            seq.first_scheduled_time = time.monotonic()
+        self.parked.append(seq)
+        self.connector.update_state_after_alloc(seq)
+        return True
+
+    def finish_receives(self, result: KVConnectorOutput) -> list[Sequence]:
+        """Apply one round of receives: a received request runs on from the first
+        token the producer sampled; a failed one is prefilled here instead.
+        Returns the requests that received (their first token is new output)."""
+        received = []
+        for seq in list(self.parked):
+            if seq.seq_id in result.failed_recving:
+                logger.warning(
+                    "KV receive failed for request %s: %s; falling back to prefill",
+                    seq.request_id,
+                    result.failed_recving[seq.seq_id],
+                )
+                self.connector.request_received(seq, ok=False)
+                self._unpark(seq)
+                seq.kv_transfer_params = None
+                seq.status = SequenceStatus.WAITING
+                self.waiting.appendleft(seq)
+            elif seq.seq_id in result.finished_recving:
+                self.connector.request_received(seq, ok=True)
+                self.parked.remove(seq)
+                self.running.append(seq)
+                seq.status = SequenceStatus.RUNNING
+                seq.num_computed_tokens = seq.num_prompt_tokens
+                first = int(seq.kv_transfer_params["first_token_id"])
+                seq.kv_transfer_params = None  # a preemption recomputes it here
+                reason = seq.append_tokens(
+                    [first], self.eos_token_ids, self.limits.max_model_len
+                )
+                self.num_generation_tokens += 1
+                if reason is not None:
+                    self._finish(seq, reason)
+                received.append(seq)
+        return received
+
+    def bootstrap_works(self, seqs: list[Sequence]) -> list[SeqWork]:
+        """For received requests: the row that decided each first token (the
+        prompt's last, at its position), to anchor their first proposal at."""
+        return [
+            self._work(
+                seq,
+                token_ids=[seq.token_ids[seq.num_prompt_tokens - 1]],
+                context_len=seq.num_prompt_tokens - 1,
+            )
+            for seq in seqs
+        ]
+
+    def _unpark(self, seq: Sequence) -> None:
+        self.parked.remove(seq)
+        self.block_manager.deallocate(seq)
+        self.state_slots.free(seq.state_slot)
+        seq.state_slot = None
+
+    def release_transfer(self, transfer_id: int) -> bool:
+        """Free the blocks and state slot a producer held for a consumer; False if
+        it holds none under that id (released already, or its lease ran out)."""
+        held = self.held.pop(transfer_id, None)
+        if held is None:
+            return False
+        seq = held[0]
+        self.block_manager.deallocate(seq)
+        self.state_slots.free(seq.state_slot)
+        seq.state_slot = None
+        return True
+
+    def expire_leases(self, now: float) -> list[int]:
+        """Release every held transfer whose lease ended by `now`; their ids."""
+        expired = [tid for tid, (_, deadline) in self.held.items() if deadline <= now]
+        for transfer_id in expired:
+            logger.warning(
+                "transfer %d was never pulled: its blocks are freed", transfer_id
+            )
+            self.release_transfer(transfer_id)
+        return expired
 
     def _usable_prefix(self, seq: Sequence) -> tuple[int, int | None]:
         """(cached blocks to reuse, checkpoint slot to fork the state from)."""
@@ -355,12 +473,31 @@ class Scheduler:
         return finished
 
     def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.finish_reason = reason
         if seq.status is SequenceStatus.RUNNING:
-            self._release(seq)
+            if not self._hold_for_transfer(seq):
+                self._release(seq)
+        elif seq.status is SequenceStatus.WAITING_FOR_REMOTE_KVS:
+            self._unpark(seq)
+            self.connector.abort(seq)
         else:
             self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
-        seq.finish_reason = reason
         del self._live[seq.seq_id]
         del self._by_request[seq.request_id]
         self._pending_finished.append(seq.seq_id)
+
+    def _hold_for_transfer(self, seq: Sequence) -> bool:
+        """P/D producer: keep a finished request's blocks and state slot for the
+        consumer, under a lease; its output carries where they are."""
+        if self.connector is None:
+            return False
+        hold, params = self.connector.request_finished(seq)
+        if not hold:
+            return False
+        seq.kv_transfer_output = params
+        self.running.remove(seq)
+        seq.in_flight_batch_id = None
+        self._pending_commits.pop(seq.seq_id, None)
+        self.held[seq.seq_id] = (seq, self.connector.lease_deadline())
+        return True

@@ -11,6 +11,8 @@ from atom.sampling_params import SamplingParams
 
 class SequenceStatus(Enum):
     WAITING = auto()
+    # P/D consumer: admitted (blocks and state slot held), its KV still to arrive.
+    WAITING_FOR_REMOTE_KVS = auto()
     RUNNING = auto()
     FINISHED = auto()
 
@@ -31,6 +33,7 @@ class Sequence:
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
         arrival_time: float | None = None,
+        kv_transfer_params: dict | None = None,
     ) -> None:
         if not isinstance(token_ids, list) or not token_ids:
             raise ValueError("Sequence needs a non-empty list of prompt token ids")
@@ -69,6 +72,10 @@ class Sequence:
         self.spec_token_ids: list[int] = []
         # The batch whose output this sequence waits for (None when none).
         self.in_flight_batch_id: int | None = None
+        # P/D (docs/pd.md): what the request asked (`do_remote_decode` on a
+        # producer, the producer's reply on a consumer), and a producer's reply.
+        self.kv_transfer_params: dict | None = kv_transfer_params
+        self.kv_transfer_output: dict | None = None
 
     def __repr__(self) -> str:
         return (

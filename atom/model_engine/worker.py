@@ -45,6 +45,7 @@ from atom.distributed.parallel_state import (
     init_distributed,
 )
 from atom.distributed.rank_process import die_with_parent, free_port
+from atom.kv_transfer.rank_calls import attach_kv_connector
 from atom.model_engine.batch import BatchOutput, ScheduledBatch
 from atom.model_engine.model_runner import ModelRunner
 from atom.model_loader.model_fingerprint import model_fingerprint
@@ -121,6 +122,8 @@ def start_runner(config: Config, device: torch.device):
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
         blocks = int(agreed.item())
     runner.allocate_caches(blocks)
+    if config.kv_transfer is not None:
+        attach_kv_connector(runner)
     reports = [rank_report(runner)]
     if dist.is_initialized():
         # Small objects over the world group, so rank 0's ready message covers all.

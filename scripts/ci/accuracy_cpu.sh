@@ -5,15 +5,19 @@
 #
 # lm-eval's own local-completions model runs the kjv_next_word task
 # (scripts/ci/tasks/kjv_next_word.yaml: held-out verses shipped in the repository,
-# no download) twice, each time against a server started by scripts/ci/serve.sh:
-# target-only at pp1 x tp1, then with the DSpark draft (T = 7) at pp2 x tp2.
+# no download) three times, against servers started by scripts/ci/serve.sh:
+# target-only at pp1 x tp1, with the DSpark draft (T = 7) at pp2 x tp2, and P/D
+# (docs/pd.md): a DSpark producer at pp2 x tp2 and a DSpark consumer at tp2 behind
+# the router (scripts/ci/pd_proxy.sh), over Mooncake's tcp loopback.
 # Gates (scripts/ci/gate.py):
-#   - both scores reach twice the chance level the task states;
-#   - the DSpark score equals the target-only score (greedy speculation is lossless);
-#   - DSpark acceptance reaches the recorded figure minus 2 points
+#   - every score reaches twice the chance level the task states;
+#   - the DSpark and the P/D scores equal the target-only score (greedy speculation
+#     is lossless, and so is moving the KV);
+#   - DSpark and P/D (consumer) acceptance reach the recorded figure minus 2 points
 #     (.github/accuracy/tiny_reference.json);
 #   - start-up markers: 2 relay and 4 KDA rollback lines at pp2 x tp2, none without
-#     speculation; no missing-weight line in either log.
+#     speculation, 2 KDA rollback lines on the tp2 consumer; no missing-weight line
+#     in any log; no P/D request fell back to a local prefill.
 # Needs the [eval] extra. Logs, lm-eval results and gate summaries land in OUT_DIR.
 set -euo pipefail
 
@@ -31,8 +35,11 @@ draft="$(tiny_path tiny-kimi-k3-dspark)"
 num_docs="$("$python" -c 'import sys; sys.path.insert(0, "scripts/ci/tasks")
 from kjv_next_word import held_out_verses, next_word_docs
 print(len(next_word_docs(held_out_verses())))')"
-port="$("$python" -c 'from atom.distributed.rank_process import free_port
-print(free_port())')"
+free_port() {
+  "$python" -c 'from atom.distributed.rank_process import free_port
+print(free_port())'
+}
+port="$(free_port)"
 
 evaluate() {
   local name="$1" flags="$2" dir="$out/$1" start
@@ -50,8 +57,34 @@ evaluate() {
   echo "accuracy_cpu: $name served and evaluated in $(($(date +%s) - start)) s"
 }
 
+# The consumer's log is server.log: it serves the completions the watchdog counts
+# and the acceptance the gate reads.
+evaluate_pd() {
+  local dir="$out/pd" start producer_port consumer_port spec
+  rm -rf "$dir"
+  mkdir -p "$dir"
+  start="$(date +%s)"
+  producer_port="$(free_port)" consumer_port="$(free_port)"
+  spec="--model $model --device cpu --method dspark --draft-model $draft --num-speculative-tokens 7"
+  bash scripts/ci/serve.sh --port "$producer_port" --log "$dir/producer.log" \
+    --ready-timeout 600 --serve-args \
+    "$spec -pp 2 -tp 2 --kv-transfer-config {\"kv_role\":\"kv_producer\"}" -- \
+    bash scripts/ci/serve.sh --port "$consumer_port" --log "$dir/server.log" \
+    --mtp-stats "$dir/mtp_stats.json" --ready-timeout 600 --serve-args \
+    "$spec -tp 2 --kv-transfer-config {\"kv_role\":\"kv_consumer\"}" -- \
+    bash scripts/ci/pd_proxy.sh "http://127.0.0.1:$producer_port" \
+    "http://127.0.0.1:$consumer_port" "$port" "$model" "$dir/proxy.log" -- \
+    "$python" -m scripts.ci.watchdog --log "$dir/server.log" --idle 180 --limit 900 -- \
+    "$python" -m lm_eval --model local-completions \
+    --model_args "model=$model,base_url=http://127.0.0.1:$port/v1/completions,num_concurrent=64,max_retries=3,tokenized_requests=False,trust_remote_code=True" \
+    --include_path scripts/ci/tasks --tasks kjv_next_word \
+    --output_path "$dir/lm_eval" --log_samples
+  echo "accuracy_cpu: pd served and evaluated in $(($(date +%s) - start)) s"
+}
+
 evaluate target ""
 evaluate dspark "-pp 2 -tp 2 --method dspark --draft-model $draft --num-speculative-tokens 7"
+evaluate_pd
 
 common=(--task kjv_next_word --metric "exact_match,first-word" --num-fewshot 0
   --num-samples "$num_docs" --min-over-chance 2)
@@ -68,4 +101,16 @@ status=0
   --server-log "$out/dspark/server.log" --mtp-stats "$out/dspark/mtp_stats.json" \
   --expect-marker relay=2 --expect-marker kda_rollback=4 \
   --summary "$out/dspark/gate.json" || status=1
+"$python" -m scripts.ci.gate --name "tiny-kimi-k3 DSpark P/D pp2 x tp2 -> tp2" \
+  --results "$out/pd/lm_eval" "${common[@]}" \
+  --same-score-as "$out/target/lm_eval" \
+  --acceptance-reference .github/accuracy/tiny_reference.json \
+  --server-log "$out/pd/server.log" --mtp-stats "$out/pd/mtp_stats.json" \
+  --expect-marker relay=0 --expect-marker kda_rollback=2 \
+  --summary "$out/pd/gate.json" || status=1
+if grep -q "falling back to prefill" "$out/pd/server.log"; then
+  echo "accuracy_cpu: P/D requests fell back to a local prefill:" >&2
+  grep "falling back to prefill" "$out/pd/server.log" | head -5 >&2
+  status=1
+fi
 exit "$status"

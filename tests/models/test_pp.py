@@ -200,8 +200,19 @@ def test_invalid_parallel_configs_name_the_field(target):
         Config(model=target, method="dspark")
     with pytest.raises(ValueError, match="unknown kv_role"):
         Config(model=target, kv_role="producer")
-    with pytest.raises(ValueError, match="'kv_consumer' is not served yet"):
+    with pytest.raises(ValueError, match="'kv_consumer' .* needs --kv-transfer-config"):
         Config(model=target, kv_role="kv_consumer")
+    with pytest.raises(ValueError, match="kv_connector 'nixl'; allowed: mooncake"):
+        Config(model=target, kv_transfer_config='{"kv_role": "kv_consumer", '
+               '"kv_connector": "nixl"}')  # fmt: skip
+    with pytest.raises(ValueError, match="unknown keys handshake; allowed"):
+        Config(model=target, kv_transfer_config={"kv_role": "kv_producer",
+                                                 "handshake": 1})  # fmt: skip
+    with pytest.raises(ValueError, match="not valid JSON"):
+        Config(model=target, kv_transfer_config="{kv_role: kv_producer}")
+    with pytest.raises(ValueError, match="contradicts kv_transfer_config's"):
+        Config(model=target, kv_role="kv_producer",
+               kv_transfer_config={"kv_role": "kv_consumer"})  # fmt: skip
     for method in ("eagle3", "mtp"):  # declared nowhere until a drafter exists
         with pytest.raises(ValueError, match=f"unknown speculative method '{method}'"):
             Config(model=target, method=method, draft_model=target)

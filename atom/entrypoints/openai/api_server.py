@@ -161,6 +161,31 @@ def build_app(
             return JSONResponse({"enabled": False})
         return JSONResponse({"enabled": True, **speculation})
 
+    @app.get("/kv_transfer_info")
+    async def kv_transfer_info() -> JSONResponse:
+        try:
+            info = await async_engine.call(lambda engine: engine.kv_transfer_info())
+        except EngineDeadError as error:
+            return error_for(error).response()
+        return JSONResponse(info)
+
+    @app.post("/kv_transfer/release")
+    async def kv_transfer_release(request: Request) -> JSONResponse:
+        """A consumer has pulled a transfer's blocks (or given up on them)."""
+        try:
+            transfer_id = (await request.json())["transfer_id"]
+        except (ValueError, KeyError, TypeError):
+            raise APIError(400, 'body must be {"transfer_id": <int>}') from None
+        if not isinstance(transfer_id, int) or isinstance(transfer_id, bool):
+            raise APIError(400, f"transfer_id must be an integer, got {transfer_id!r}")
+        try:
+            released = await async_engine.call(
+                lambda engine: engine.release_kv_transfer(transfer_id)
+            )
+        except EngineDeadError as error:
+            return error_for(error).response()
+        return JSONResponse({"released": released})
+
     @app.get("/server_info")
     async def info() -> JSONResponse:
         return JSONResponse(

@@ -41,6 +41,8 @@ PREPARE_THREADS = 2
 LARGE_TEXT_CHARS = 256 * 1024
 # How often the rank monitor looks up from its wait to see whether to stop.
 RANK_POLL_S = 0.5
+# How often an idle engine wakes to end overdue P/D leases (LLMEngine.step).
+IDLE_HOUSEKEEPING_S = 1.0
 # After a rank died: how long the engine thread gets to fail its requests before
 # the death is reported anyway (a stuck engine thread must not keep the server).
 ENGINE_EXIT_GRACE_S = 10.0
@@ -72,6 +74,7 @@ class _Add:
     prompt: str | list[int]
     params: Any
     stream: _Stream
+    kv_transfer_params: dict | None = None
 
 
 @dataclass
@@ -193,7 +196,11 @@ class AsyncEngine:
         return await asyncio.get_running_loop().run_in_executor(pool, call)
 
     async def generate(
-        self, prompt: str | list[int], params: Any, request_id: str | None = None
+        self,
+        prompt: str | list[int],
+        params: Any,
+        request_id: str | None = None,
+        kv_transfer_params: dict | None = None,
     ) -> AsyncIterator[Any]:
         """Yield `RequestOutput`s until the request finishes.
 
@@ -206,7 +213,7 @@ class AsyncEngine:
             prompt = await self.encode(prompt)
         request_id = request_id or uuid.uuid4().hex
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        self._submit(_Add(request_id, prompt, params, stream))
+        self._submit(_Add(request_id, prompt, params, stream, kv_transfer_params))
         finished = False
         try:
             while not finished:
@@ -269,11 +276,14 @@ class AsyncEngine:
 
     def _serve(self) -> None:
         engine = self._engine
+        # A P/D producer holds blocks for consumers even while idle: its lease
+        # timeouts need the engine to step now and then.
+        holds = engine.kv_connector is not None
         while True:
             idle = not engine.has_unfinished_requests()
-            if not self._handle_commands(block=idle):
+            if not self._handle_commands(block=idle, timed=holds):
                 return
-            if engine.has_unfinished_requests():
+            if holds or engine.has_unfinished_requests():
                 for output in engine.step():
                     self._deliver(output)
 
@@ -302,10 +312,12 @@ class AsyncEngine:
         except Exception:
             logger.exception("aborting request %s failed", request_id)
 
-    def _handle_commands(self, block: bool) -> bool:
-        """Apply queued commands; False once the engine must stop."""
+    def _handle_commands(self, block: bool, timed: bool = False) -> bool:
+        """Apply queued commands; False once the engine must stop. `timed`: a
+        blocking wait ends after IDLE_HOUSEKEEPING_S anyway."""
         try:
-            command = self._commands.get(block=block)
+            timeout = IDLE_HOUSEKEEPING_S if block and timed else None
+            command = self._commands.get(block=block, timeout=timeout)
         except queue.Empty:
             return True
         while True:
@@ -325,7 +337,12 @@ class AsyncEngine:
         engine = self._engine
         if isinstance(command, _Add):
             try:
-                engine.add_request(command.prompt, command.params, command.request_id)
+                engine.add_request(
+                    command.prompt,
+                    command.params,
+                    command.request_id,
+                    kv_transfer_params=command.kv_transfer_params,
+                )
             except Exception as error:
                 command.stream.push(error)  # fails this request only
                 return

@@ -127,6 +127,9 @@ class OpenAIRequest(BaseModel):
     n: StrictInt = 1
     # An end-user id for the provider's abuse monitoring; it never changes output.
     user: str | None = None
+    # P/D (docs/pd.md): `{"do_remote_decode": true}` to a producer, the producer's
+    # reply (plus `remote_url`) to a consumer; the router sets them.
+    kv_transfer_params: dict[str, Any] | None = None
     frequency_penalty: Any = None
     presence_penalty: Any = None
     logit_bias: Any = None

@@ -84,6 +84,16 @@ def error_for(exc: BaseException) -> APIError:
     )
 
 
+def with_transfer_params(response: BaseModel, output: Any) -> dict[str, Any]:
+    """The response (or a stream's last chunk) as JSON, with a P/D producer's
+    kv_transfer_params at top level, where the router reads them; other responses
+    are unchanged."""
+    body = response.model_dump()
+    if output.kv_transfer_params is not None:
+        body["kv_transfer_params"] = output.kv_transfer_params
+    return body
+
+
 def sse_frame(chunk: BaseModel | dict) -> str:
     data = chunk.model_dump() if isinstance(chunk, BaseModel) else chunk
     # allow_nan=False: SSE consumers parse strict JSON, so floats must be finite.
@@ -159,9 +169,11 @@ class OpenAIServing:
             self._check_token_ids(prompt)
             self._check_text_size(prompt, params.max_tokens)
         request_id = random_id("cmpl")
+        if body.kv_transfer_params is not None and len(prompts) != 1:
+            raise APIError(400, "kv_transfer_params: P/D takes a single prompt")
         if not body.stream:
             outputs = await unless_disconnected(
-                request, self._run_all(prompts, params, request_id)
+                request, self._run_all(prompts, params, request_id, body)
             )
             choices = [
                 CompletionChoice(
@@ -178,7 +190,7 @@ class OpenAIServing:
                 choices=choices,
                 usage=self._usage(outputs),
             )
-            return JSONResponse(response.model_dump())
+            return JSONResponse(with_transfer_params(response, outputs[0]))
         if len(prompts) != 1:
             raise APIError(400, "prompt: streaming accepts a single prompt")
 
@@ -234,7 +246,7 @@ class OpenAIServing:
         request_id = random_id("chatcmpl")
         if not body.stream:
             (output,) = await unless_disconnected(
-                request, self._run_all([prompt], params, request_id)
+                request, self._run_all([prompt], params, request_id, body)
             )
             choice = ChatChoice(
                 index=0,
@@ -247,7 +259,7 @@ class OpenAIServing:
                 choices=[choice],
                 usage=self._usage([output]),
             )
-            return JSONResponse(response.model_dump())
+            return JSONResponse(with_transfer_params(response, output))
 
         def chunk(output: Any, finish_reason: str | None) -> ChatCompletionChunk:
             text = output.new_text
@@ -328,10 +340,17 @@ class OpenAIServing:
                 )
 
     def _generate(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str,
+        body: OpenAIRequest,
     ) -> AsyncGenerator[Any, None]:
         """The engine's outputs for one prompt, observed by the server metrics."""
-        return self.metrics.track(self.engine.generate(prompt, params, request_id))
+        outputs = self.engine.generate(
+            prompt, params, request_id, kv_transfer_params=body.kv_transfer_params
+        )
+        return self.metrics.track(outputs)
 
     def _check_text_size(self, prompt: str | list[int], max_tokens: int) -> None:
         """Refuse a text prompt that cannot fit the context on its size alone.
@@ -355,14 +374,19 @@ class OpenAIServing:
             )
 
     async def _run_all(
-        self, prompts: list[str | list[int]], params: SamplingParams, request_id: str
+        self,
+        prompts: list[str | list[int]],
+        params: SamplingParams,
+        request_id: str,
+        body: OpenAIRequest,
     ) -> list[Any]:
         """Final outputs of all prompts, run concurrently; one failure cancels all."""
 
         async def final_output(index: int, prompt: str | list[int]) -> Any:
             final = None
             suffix = f"-{index}" if len(prompts) > 1 else ""
-            async for output in self._generate(prompt, params, request_id + suffix):
+            outputs = self._generate(prompt, params, request_id + suffix, body)
+            async for output in outputs:
                 final = output
             return final
 
@@ -395,7 +419,7 @@ class OpenAIServing:
         chunk: Callable[[Any, str | None], BaseModel],
         usage_chunk: Callable[[UsageInfo], BaseModel],
     ) -> StreamingResponse:
-        outputs = self._generate(prompt, params, request_id)
+        outputs = self._generate(prompt, params, request_id, body)
         try:
             # Waiting for the first output means a rejected prompt still gets a
             # proper 4xx status instead of an error inside a 200 stream.
@@ -410,7 +434,8 @@ class OpenAIServing:
             try:
                 while True:
                     if output.finished:
-                        final = pending + sse_frame(chunk(output, output.finish_reason))
+                        last = chunk(output, output.finish_reason)
+                        final = pending + sse_frame(with_transfer_params(last, output))
                         if include_usage:
                             final += sse_frame(usage_chunk(self._usage([output])))
                         yield final + SSE_DONE

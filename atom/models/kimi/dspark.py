@@ -35,6 +35,9 @@ from atom.models.kimi.dspark_config import DSparkDraftConfig
 class DSparkAttention(DraftAttention):
     """RoPE MLA without output gate; its KV rows share the target's paged pool."""
 
+    # Its P/D region name prefix (kv_transfer/regions.py).
+    kv_region_kind = "mla"
+
     def __init__(self, config: DSparkDraftConfig, prefix: str) -> None:
         super().__init__(prefix)
         self.kv_cache_dim = config.kv_latent_dim

@@ -23,6 +23,9 @@ from atom.utils.forward_context import require_metadata
 
 
 class KimiMLAttention(nn.Module):
+    # Its P/D region name prefix (kv_transfer/regions.py).
+    kv_region_kind = "mla"
+
     def __init__(
         self, config: KimiTextConfig, prefix: str = "", backend: str = "auto"
     ) -> None:

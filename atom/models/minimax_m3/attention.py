@@ -50,6 +50,9 @@ class PartialRotary(nn.Module):
 
 
 class MiniMaxM3Attention(nn.Module):
+    # Its P/D region name prefix (kv_transfer/regions.py).
+    kv_region_kind = "attn"
+
     def __init__(
         self, config: MiniMaxM3TextConfig, layer_idx: int, prefix: str = ""
     ) -> None:

@@ -42,6 +42,9 @@ _QKV_SHARDS = {"q": 0, "k": 1, "v": 2}
 
 
 class Qwen3DSparkAttention(DraftAttention):
+    # Its P/D region name prefix (kv_transfer/regions.py).
+    kv_region_kind = "attn"
+
     def __init__(self, config: Qwen3DSparkConfig, prefix: str) -> None:
         super().__init__(prefix)
         head_dim = config.head_dim

@@ -1,0 +1,178 @@
+"""The P/D router: an OpenAI-compatible server in front of one prefill (producer)
+and one decode (consumer) server (docs/pd.md).
+
+Each completion goes to the producer first, with `max_tokens: 1`, no streaming and
+`kv_transfer_params: {"do_remote_decode": true}`; the producer prefills, samples
+the first token and answers where its KV is. The router adds the producer's URL
+(`remote_url`) and the producer's topology from its `/kv_transfer_info`, then sends
+the original body with those params to the consumer and relays its answer,
+streamed or not. An unreachable or failing producer or consumer is a 502 naming
+which one, never a hang.
+
+    python -m atom.entrypoints.pd_proxy --prefill http://P:8100 \\
+        --decode http://D:8200 --port 8000
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import httpx
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+logger = logging.getLogger(__name__)
+
+# Prefill answers after one forward pass; decode streams for as long as it needs.
+PREFILL_TIMEOUT_S = 600.0
+CONNECT_TIMEOUT_S = 10.0
+
+
+def error(status: int, message: str, code: str) -> JSONResponse:
+    body = {"error": {"message": message, "type": code, "code": status}}
+    return JSONResponse(body, status_code=status)
+
+
+def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
+    """The request as the producer gets it: one token, no stream, hold the KV."""
+    body = dict(body)
+    body.pop("stream_options", None)
+    body.update(
+        stream=False,
+        max_tokens=1,
+        kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False},
+    )
+    if "max_completion_tokens" in body:
+        body["max_completion_tokens"] = 1
+    return body
+
+
+def build_app(prefill_url: str, decode_url: str) -> FastAPI:
+    prefill_url, decode_url = prefill_url.rstrip("/"), decode_url.rstrip("/")
+    app = FastAPI(title="atom P/D proxy")
+    timeout = httpx.Timeout(PREFILL_TIMEOUT_S, connect=CONNECT_TIMEOUT_S)
+    client = httpx.AsyncClient(timeout=timeout)
+    producer_info: dict[str, Any] = {}
+
+    async def producer_topology() -> dict[str, Any]:
+        if not producer_info:
+            reply = await client.get(prefill_url + "/kv_transfer_info")
+            reply.raise_for_status()
+            info = reply.json()
+            if info.get("kv_role") != "kv_producer":
+                raise ValueError(
+                    f"prefill server {prefill_url} is not a producer "
+                    f"(kv_role {info.get('kv_role')!r})"
+                )
+            producer_info.update(info)
+        return producer_info
+
+    async def relay(path: str, request: Request) -> Response:
+        try:
+            body = await request.json()
+        except ValueError:
+            return error(400, "body is not JSON", "invalid_request_error")
+        if not isinstance(body, dict):
+            return error(400, "body must be a JSON object", "invalid_request_error")
+        try:
+            info = await producer_topology()
+            reply = await client.post(prefill_url + path, json=prefill_body(body))
+        except (httpx.HTTPError, ValueError) as failure:
+            logger.error("prefill %s failed: %s", prefill_url, failure)
+            return error(
+                502, f"prefill server {prefill_url}: {failure}", "prefill_unreachable"
+            )
+        if reply.status_code != 200:
+            # The producer's own 4xx (a bad request) goes back as it came.
+            return Response(
+                reply.content, reply.status_code, media_type="application/json"
+            )
+        params = reply.json().get("kv_transfer_params")
+        if not params:
+            return error(
+                502,
+                f"prefill server {prefill_url} returned no kv_transfer_params",
+                "prefill_missing_kv_transfer_params",
+            )
+        params = {
+            **params,
+            "remote_url": prefill_url,
+            "remote_tp_size": info["tp_size"],
+            "remote_dp_size": info.get("dp_size", 1),
+            "remote_dp_rank": 0,
+        }
+        decode = {**body, "kv_transfer_params": params}
+        if body.get("stream"):
+            return await stream_decode(path, decode)
+        try:
+            reply = await client.post(decode_url + path, json=decode)
+        except httpx.HTTPError as failure:
+            return error(
+                502, f"decode server {decode_url}: {failure}", "decode_unreachable"
+            )
+        return Response(reply.content, reply.status_code, media_type="application/json")
+
+    async def stream_decode(path: str, body: dict[str, Any]) -> Response:
+        upstream = client.build_request("POST", decode_url + path, json=body)
+        try:
+            reply = await client.send(upstream, stream=True)
+        except httpx.HTTPError as failure:
+            return error(
+                502, f"decode server {decode_url}: {failure}", "decode_unreachable"
+            )
+        if reply.status_code != 200:
+            content = await reply.aread()
+            await reply.aclose()
+            return Response(content, reply.status_code, media_type="application/json")
+
+        async def chunks() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in reply.aiter_raw():
+                    yield chunk
+            finally:
+                await reply.aclose()
+
+        return StreamingResponse(chunks(), media_type="text/event-stream")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await relay("/v1/completions", request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await relay("/v1/chat/completions", request)
+
+    @app.get("/health")
+    async def health() -> Response:
+        try:
+            for url in (prefill_url, decode_url):
+                (await client.get(url + "/health")).raise_for_status()
+        except httpx.HTTPError as failure:
+            return error(503, f"a backend is unhealthy: {failure}", "unhealthy")
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        reply = await client.get(decode_url + "/v1/models")
+        return Response(reply.content, reply.status_code, media_type="application/json")
+
+    return app
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prefill", required=True, help="URL of the producer")
+    parser.add_argument("--decode", required=True, help="URL of the consumer")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO)
+    uvicorn.run(build_app(args.prefill, args.decode), host=args.host, port=args.port)
+
+
+if __name__ == "__main__":
+    main()
