@@ -3,9 +3,10 @@
 Shapes are those of `bench_vs_transformers.py`'s issue10 preset (2.6 B Kimi Linear,
 bf16): KDA 16 heads of 128, conv width 4, MLA 16 heads over a 512 + 64 latent row
 at 320 tokens of context in a 400-token table, RMSNorm over 2304. Per kernel and
-batch it prints microseconds per call (CUDA events, mean of `--iters` after a
-warm-up), the bytes the call must move at least, the bandwidth that gives as a
-fraction of the H200's 4.8 TB/s, and the speed-up over the torch reference.
+batch it prints microseconds per call (CUDA events, mean of `--iters` replays
+after a warm-up), the bytes the call must move at least, the bandwidth that gives as a
+fraction of the H200's 4.8 TB/s, and the speed-up over the torch reference. Each
+call is timed as a CUDA graph replay, as the engine runs decode.
 
     python benchmarks/bench_kernels.py --batch-sizes 1,32,128
 """
@@ -37,12 +38,21 @@ HIDDEN, CONTEXT, TABLE_TOKENS, BLOCK_SIZE = 2304, 320, 400, 16
 
 
 def time_us(fn: Callable[[], object], iters: int) -> float:
-    for _ in range(3):
+    """GPU microseconds per call: `fn` captured in a CUDA graph and replayed, so the
+    host's launch cost (tens of microseconds per op in eager mode) is left out."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
         fn()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(True)
     start.record()
     for _ in range(iters):
-        fn()
+        graph.replay()
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) * 1e3 / iters
