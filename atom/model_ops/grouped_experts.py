@@ -110,7 +110,10 @@ def grouped_expert_mlp(
     inner = act(
         _grouped_linear(transform(x), w13, group_ends, path, row_source=token_of)
     )
-    y = _grouped_linear(transform(inner), w2, group_ends, path).float()
-    y = y * routing_weights.reshape(-1)[order].float().unsqueeze(1)
-    out = torch.zeros(num_tokens, w2.shape[1], dtype=torch.float32, device=x.device)
-    return out.index_add(0, token_of, y)
+    y = _grouped_linear(transform(inner), w2, group_ends, path)
+    # Back to (token, choice) order and a weighted sum over each token's k rows: a
+    # gather and a reduction, where a scatter-add into the tokens would take atomics.
+    position = torch.empty_like(order)
+    position[order] = torch.arange(order.numel(), device=order.device)
+    per_choice = y.index_select(0, position).view(num_tokens, top_k, -1).float()
+    return (per_choice * routing_weights.float().unsqueeze(-1)).sum(dim=1)
