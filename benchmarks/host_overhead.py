@@ -1,0 +1,218 @@
+"""The host's work per decode step, phase by phase, on CPU.
+
+Runs one in-process engine (tp = pp = 1) on CPU with a tiny model and times each
+phase of a decode step with `time.perf_counter` around the engine's own functions:
+
+    schedule   Scheduler.schedule              (which rows run, their SeqWorks)
+    inputs     model_inputs.prepare_inputs      (the packed step buffer, its copy)
+    forward    the model's forward             (device work on a GPU)
+    logits     the LM head (device work on a GPU)
+    sample     SamplingMetadata + StepSampler (its .tolist() is the sync)
+    runner     the rest of ModelRunner.execute (cache commits, state copies, ...)
+    post       Scheduler.postprocess            (append tokens, finish checks)
+    output     OutputProcessor / engine output (detokenize, stop strings)
+    engine     the rest of LLMEngine.step
+
+Everything but `forward` and `logits` (and the kernels inside `sample`) is the
+work a GPU does not hide; at batch 1 on an H200 it is about half of a decode step
+(`benchmarks/profile_decode.py`). The timers wrap attributes of this engine's
+objects only, so the engine itself carries no timing code. `--cprofile N` prints
+the N functions with the most own time outside the forward.
+
+    python benchmarks/host_overhead.py --batch-sizes 1,32 --steps 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import functools
+import pstats
+import random
+import time
+from collections import defaultdict
+from collections.abc import Callable
+
+import torch
+
+from atom import LLMEngine, SamplingParams
+from atom.model_engine import model_runner as model_runner_module
+
+PHASES = (
+    "schedule",
+    "inputs",
+    "forward",
+    "logits",
+    "sample",
+    "runner",
+    "post",
+    "output",
+)
+DEVICE_PHASES = ("forward", "logits")
+
+
+class PhaseTimer:
+    """Seconds spent inside wrapped callables, by phase; nested phases are
+    subtracted from the phase around them, so the phases add up to the step."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self._stack: list[float] = []  # child time of each open phase
+
+    def wrap(self, phase: str, fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            self._stack.append(0.0)
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent = time.perf_counter() - start
+                children = self._stack.pop()
+                self.seconds[phase] += spent - children
+                if self._stack:
+                    self._stack[-1] += spent
+
+        return timed
+
+    def reset(self) -> None:
+        self.seconds.clear()
+
+
+def instrument(engine: LLMEngine, timer: PhaseTimer) -> None:
+    """Wrap the engine's phase functions (this engine's objects, and the runner
+    module's reference to build_step, only)."""
+    runner = engine.workers.runner
+    scheduler = engine.scheduler
+    scheduler.schedule = timer.wrap("schedule", scheduler.schedule)
+    scheduler.postprocess = timer.wrap("post", scheduler.postprocess)
+    runner.execute = timer.wrap("runner", runner.execute)
+    runner._sample_and_draft = timer.wrap("sample", runner._sample_and_draft)
+    runner.model.forward = timer.wrap("forward", runner.model.forward)
+    runner.model.compute_logits = timer.wrap("logits", runner.model.compute_logits)
+    engine._output_of = timer.wrap("output", engine._output_of)
+    inputs = model_runner_module.prepare_inputs
+    model_runner_module.prepare_inputs = timer.wrap("inputs", inputs)
+
+
+def uninstrument() -> None:
+    inputs = model_runner_module.prepare_inputs
+    model_runner_module.prepare_inputs = getattr(inputs, "__wrapped__", inputs)
+
+
+def start_decode(engine: LLMEngine, batch: int, steps: int, seed: int) -> None:
+    """Add `batch` requests of `steps` + 1 tokens and step until every one holds
+    its first token: what follows are decode steps only."""
+    rng = random.Random(seed)
+    params = SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)
+    for _ in range(batch):
+        engine.add_request([rng.randrange(100) for _ in range(16)], params)
+    scheduler = engine.scheduler
+    while scheduler.waiting or any(
+        seq.num_output_tokens == 0 for seq in scheduler.running
+    ):
+        engine.step()
+
+
+def run_to_end(engine: LLMEngine) -> tuple[float, int]:
+    """(seconds, steps) until no request is left."""
+    count = 0
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+        count += 1
+    return time.perf_counter() - start, count
+
+
+def measure(
+    engine: LLMEngine, timer: PhaseTimer, batch: int, steps: int, seed: int
+) -> dict[str, float]:
+    """Microseconds per decode step: each phase, "engine" (the rest of
+    LLMEngine.step), "step" (the whole) and "host" (all but the device phases)."""
+    start_decode(engine, batch, steps, seed)
+    timer.reset()
+    seconds, count = run_to_end(engine)
+    per_step = {p: timer.seconds.get(p, 0.0) / count * 1e6 for p in PHASES}
+    per_step["engine"] = seconds / count * 1e6 - sum(per_step.values())
+    per_step["step"] = seconds / count * 1e6
+    per_step["host"] = per_step["step"] - sum(per_step[p] for p in DEVICE_PHASES)
+    return per_step
+
+
+def report(batch: int, runs: list[dict[str, float]]) -> None:
+    """One line per batch size: the minimum over the runs of each figure, since
+    other work on the machine only ever adds time."""
+    best = {key: min(run[key] for run in runs) for key in runs[0]}
+    cells = "  ".join(
+        f"{p} {best[p]:.1f}" for p in (*PHASES, "engine") if p not in DEVICE_PHASES
+    )
+    print(
+        f"batch {batch:3d}: step {best['step']:8.1f} us, forward {best['forward']:.1f}"
+        f" + logits {best['logits']:.1f} us, host {best['host']:7.1f} us/step "
+        f"| {cells}"
+    )
+
+
+def profile_host(engine: LLMEngine, batch: int, steps: int, top: int) -> None:
+    """cProfile of decode steps whose forward returns zeros at once, so the
+    table holds the host's functions only (the tokens are garbage, which
+    `ignore_eos` makes harmless)."""
+    runner = engine.workers.runner
+    hidden = int(engine.config.hf_config.text["hidden_size"])
+    forward = runner.model.forward
+
+    def no_forward(input_ids, positions, intermediate=None):
+        return torch.zeros(input_ids.shape[0], hidden, dtype=runner.dtype)
+
+    start_decode(engine, batch, steps, seed=1)
+    runner.model.forward = no_forward
+    profiler = cProfile.Profile()
+    profiler.enable()
+    seconds, count = run_to_end(engine)
+    profiler.disable()
+    runner.model.forward = forward
+    print(
+        f"\n## cProfile, batch {batch}, {count} decode steps without a forward: "
+        f"{seconds / count * 1e6:.1f} us/step (profiled), most own time"
+    )
+    stats = pstats.Stats(profiler).sort_stats("tottime")
+    stats.print_stats(top)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="tiny-kimi-k3")
+    parser.add_argument("--batch-sizes", default="1,32")
+    parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--cprofile", type=int, default=0, metavar="N")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    torch.manual_seed(args.seed)
+    engine = LLMEngine(
+        args.model,
+        device="cpu",
+        max_num_seqs=max(batches),
+        max_model_len=64 + args.steps,
+        max_num_batched_tokens=max(256, 16 * max(batches)),
+    )
+    timer = PhaseTimer()
+    instrument(engine, timer)
+    try:
+        for batch in batches:
+            measure(engine, timer, batch, 4, args.seed)  # warm-up
+            runs = [
+                measure(engine, timer, batch, args.steps, args.seed)
+                for _ in range(args.repeats)
+            ]
+            report(batch, runs)
+    finally:
+        uninstrument()
+    for batch in batches if args.cprofile else []:
+        profile_host(engine, batch, args.steps, args.cprofile)
+    engine.close()
+
+
+if __name__ == "__main__":
+    main()
