@@ -178,7 +178,8 @@ class DecodeGraphs:
             raise RuntimeError(
                 f"batch layout {layout} differs from the captured {capture.layout}"
             )
-        capture.packed.copy_(packed, non_blocking=True)
+        # Pinned, so the copy does not hold the host (model_inputs.to_device).
+        capture.packed.copy_(packed.pin_memory(), non_blocking=True)
         num_rows = len(works) * query_len
         if intermediate is not None:
             static = self._payload(num_rows)

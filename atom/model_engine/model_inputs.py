@@ -199,4 +199,14 @@ def prepare_inputs(
     """(input_ids [N], positions [N], metadata) with sequences as consecutive rows,
     on `device` after one host-to-device copy."""
     packed, layout = build_step(works, block_size, table_width, padding)
-    return view_step(packed.to(device), layout)
+    return view_step(to_device(packed, device), layout)
+
+
+def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """`host` on `device`; a GPU copy goes from pinned memory without blocking,
+    so the host goes on to the step's sampling fields while it runs (a pageable
+    copy holds the host until it is done). The caching host allocator keeps the
+    pinned block until the copy has run."""
+    if torch.device(device).type == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
