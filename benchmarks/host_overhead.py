@@ -16,15 +16,19 @@ phase of a decode step with `time.perf_counter` around the engine's own function
 Everything but `forward` and `logits` (and the kernels inside `sample`) is the
 work a GPU does not hide; at batch 1 on an H200 it is about half of a decode step
 (`benchmarks/profile_decode.py`). The timers wrap attributes of this engine's
-objects only, so the engine itself carries no timing code. `--cprofile N` prints
-the N functions with the most own time outside the forward.
+objects only, so the engine itself carries no timing code. Each figure is the
+minimum over `--repeats` runs. `--no-forward` makes the forward return zeros: a CPU
+forward evicts the host's caches, so the phases after it run cold, while on a GPU
+they run warm; `--cprofile N` prints the N functions with the most own time in
+steps without a forward.
 
-    python benchmarks/host_overhead.py --batch-sizes 1,32 --steps 64
+    python benchmarks/host_overhead.py --batch-sizes 1,32 --steps 64 --no-forward
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import functools
 import pstats
@@ -153,9 +157,9 @@ def report(batch: int, runs: list[dict[str, float]]) -> None:
     )
 
 
-def profile_host(engine: LLMEngine, batch: int, steps: int, top: int) -> None:
-    """cProfile of decode steps whose forward returns zeros at once, so the
-    table holds the host's functions only (the tokens are garbage, which
+@contextlib.contextmanager
+def without_forward(engine: LLMEngine):
+    """The model's forward returns zeros at once (the tokens are garbage, which
     `ignore_eos` makes harmless)."""
     runner = engine.workers.runner
     hidden = int(engine.config.hf_config.text["hidden_size"])
@@ -164,13 +168,21 @@ def profile_host(engine: LLMEngine, batch: int, steps: int, top: int) -> None:
     def no_forward(input_ids, positions, intermediate=None):
         return torch.zeros(input_ids.shape[0], hidden, dtype=runner.dtype)
 
-    start_decode(engine, batch, steps, seed=1)
     runner.model.forward = no_forward
-    profiler = cProfile.Profile()
-    profiler.enable()
-    seconds, count = run_to_end(engine)
-    profiler.disable()
-    runner.model.forward = forward
+    try:
+        yield
+    finally:
+        runner.model.forward = forward
+
+
+def profile_host(engine: LLMEngine, batch: int, steps: int, top: int) -> None:
+    """cProfile of decode steps without a forward: the host's functions only."""
+    start_decode(engine, batch, steps, seed=1)
+    with without_forward(engine):
+        profiler = cProfile.Profile()
+        profiler.enable()
+        seconds, count = run_to_end(engine)
+        profiler.disable()
     print(
         f"\n## cProfile, batch {batch}, {count} decode steps without a forward: "
         f"{seconds / count * 1e6:.1f} us/step (profiled), most own time"
@@ -186,6 +198,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--cprofile", type=int, default=0, metavar="N")
+    parser.add_argument(
+        "--no-forward",
+        action="store_true",
+        help="the forward returns zeros: host phases with warm caches, as on a GPU",
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     batches = [int(b) for b in args.batch_sizes.split(",")]
@@ -198,8 +215,11 @@ def main() -> None:
         max_num_batched_tokens=max(256, 16 * max(batches)),
     )
     timer = PhaseTimer()
-    instrument(engine, timer)
-    try:
+    with contextlib.ExitStack() as stack:
+        if args.no_forward:  # before instrument, so the timer wraps the stub
+            stack.enter_context(without_forward(engine))
+        instrument(engine, timer)
+        stack.callback(uninstrument)
         for batch in batches:
             measure(engine, timer, batch, 4, args.seed)  # warm-up
             runs = [
@@ -207,8 +227,6 @@ def main() -> None:
                 for _ in range(args.repeats)
             ]
             report(batch, runs)
-    finally:
-        uninstrument()
     for batch in batches if args.cprofile else []:
         profile_host(engine, batch, args.steps, args.cprofile)
     engine.close()
