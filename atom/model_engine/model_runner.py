@@ -219,11 +219,12 @@ class ModelRunner:
         )
         self.step_sampler.forget(batch.finished_seq_ids)
         num_tokens = batch.num_tokens
-        graph_key = self.graphs.size_for(batch.work) if self.graphs else None
+        graphs = self.graphs
+        graph_key = graphs.size_for(batch.work) if graphs is not None else None
         received, taps_in = None, None
         if not self.is_first_stage:
             # A replayed step receives straight into its graph's static payload.
-            into = self.graphs.payload.tensors if graph_key is not None else None
+            into = graphs.payload.tensors if graph_key is not None else None
             payload = recv_tensor_dict(self.device, self._expected_keys(), into)
             taps_in = payload.pop(AUX_KEY, None)
             received = IntermediateTensors(payload)
