@@ -19,7 +19,8 @@ work a GPU does not hide; at batch 1 on an H200 it is about half of a decode ste
 objects only, so the engine itself carries no timing code. Each figure is the
 minimum over `--repeats` runs. `--no-forward` makes the forward return zeros: a CPU
 forward evicts the host's caches, so the phases after it run cold, while on a GPU
-they run warm; `--cprofile N` prints the N functions with the most own time in
+they run warm. It also times the step buffer a graph replay builds (tables at the
+graph's fixed width, `--replay-table-width`). `--cprofile N` prints the N functions with the most own time in
 steps without a forward.
 
     python benchmarks/host_overhead.py --batch-sizes 1,32 --steps 64 --no-forward
@@ -34,6 +35,7 @@ import functools
 import pstats
 import random
 import time
+import timeit
 from collections import defaultdict
 from collections.abc import Callable
 
@@ -41,6 +43,8 @@ import torch
 
 from atom import LLMEngine, SamplingParams
 from atom.model_engine import model_runner as model_runner_module
+from atom.model_engine.batch import SeqWork
+from atom.model_engine.model_inputs import SeqPadding, build_step
 
 PHASES = (
     "schedule",
@@ -191,6 +195,31 @@ def profile_host(engine: LLMEngine, batch: int, steps: int, top: int) -> None:
     stats.print_stats(top)
 
 
+def time_replay_buffer(batch: int, table_width: int, block_size: int = 16) -> None:
+    """The step buffer of a graph replay (`DecodeGraphs.run`): decode rows, tables
+    padded to the graph's fixed width, built on the host every decode step."""
+    works = [
+        SeqWork(
+            seq_id=i,
+            token_ids=[5],
+            context_len=40,
+            block_table=list(range(8)),
+            state_slot=i,
+        )
+        for i in range(batch)
+    ]
+    padding = SeqPadding(batch, 0, 0)
+    runs = timeit.repeat(
+        lambda: build_step(works, block_size, table_width, padding),
+        number=500,
+        repeat=5,
+    )
+    print(
+        f"batch {batch:3d}: graph-replay step buffer (table width {table_width}) "
+        f"{min(runs) / 500 * 1e6:.1f} us"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny-kimi-k3")
@@ -202,6 +231,12 @@ def main() -> None:
         "--no-forward",
         action="store_true",
         help="the forward returns zeros: host phases with warm caches, as on a GPU",
+    )
+    parser.add_argument(
+        "--replay-table-width",
+        type=int,
+        default=256,
+        help="block-table width of the graph-replay buffer timed (256: 4096 tokens)",
     )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -227,6 +262,8 @@ def main() -> None:
                 for _ in range(args.repeats)
             ]
             report(batch, runs)
+    for batch in batches:
+        time_replay_buffer(batch, args.replay_table_width)
     for batch in batches if args.cprofile else []:
         profile_host(engine, batch, args.steps, args.cprofile)
     engine.close()
