@@ -211,10 +211,13 @@ class BlockManager:
         Speculative rows need slots before acceptance is known; blocks past the
         committed length stay with the sequence and are simply overwritten later.
         """
-        if not self.can_append(seq, num_new_tokens):
-            raise RuntimeError(f"not enough free KV blocks for sequence {seq.seq_id}")
+        # can_append's test, its block count computed once (this runs per sequence
+        # per decode step).
         needed = self.num_blocks_for(seq.num_tokens + num_new_tokens)
-        while len(seq.block_table) < needed:
+        missing = needed - len(seq.block_table)
+        if missing > self.num_free_blocks:
+            raise RuntimeError(f"not enough free KV blocks for sequence {seq.seq_id}")
+        for _ in range(missing):
             seq.block_table.append(self._take_free_block())
         self.cache_full_blocks(seq, seq.num_tokens)
 

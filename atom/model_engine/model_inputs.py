@@ -8,9 +8,10 @@ the same layout and replays after one `copy_` of the new step's buffer.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from itertools import accumulate
 
+import numpy as np
 import torch
 
 from atom.model_engine.batch import SeqWork
@@ -113,36 +114,39 @@ def build_step(
     num_seqs, num_tokens, max_query_len = len(lengths), len(token_ids), max(lengths)
     uniform = all(n == max_query_len for n in lengths)
 
-    long = torch.long
-    lengths_t = torch.tensor(lengths, dtype=long)
-    context_t = torch.tensor(context_lens, dtype=long)
-    starts = torch.tensor([0, *accumulate(lengths)], dtype=long)
-    tables_t = torch.tensor(
-        [table + [0] * (width - len(table)) for table in tables], dtype=long
-    ).view(num_seqs, width)
-    row_seq = torch.repeat_interleave(torch.arange(num_seqs), lengths_t)
-    row_in_seq = torch.arange(num_tokens) - starts[row_seq]
-    positions = context_t[row_seq] + row_in_seq
-    slots = tables_t[row_seq, positions // block_size] * block_size
+    # numpy, not torch, for these small integer arrays: each torch op on the host
+    # costs microseconds of dispatch, and a step builds a few dozen of them.
+    long = np.int64
+    lengths_a = np.array(lengths, dtype=long)
+    context_a = np.array(context_lens, dtype=long)
+    starts = np.zeros(num_seqs + 1, dtype=long)
+    np.cumsum(lengths_a, out=starts[1:])
+    tables_a = np.zeros((num_seqs, width), dtype=long)
+    for row, table in zip(tables_a, tables):
+        row[: len(table)] = table
+    row_seq = np.repeat(np.arange(num_seqs), lengths_a)
+    row_in_seq = np.arange(num_tokens) - starts[row_seq]
+    positions = context_a[row_seq] + row_in_seq
+    slots = tables_a[row_seq, positions // block_size] * block_size
     slots += positions % block_size
     if padding is not None:
         slots[num_real_rows:] = padding.kv_slot
-    offsets = torch.arange(max_query_len)
+    offsets = np.arange(max_query_len)
     named = {
-        "input_ids": torch.tensor(token_ids, dtype=long),
+        "input_ids": np.array(token_ids, dtype=long),
         "positions": positions,
         "query_start_loc": starts,
-        "context_lens": context_t,
+        "context_lens": context_a,
         "slot_mapping": slots,
-        "block_tables": tables_t,
-        "state_slots": torch.tensor(state_slots, dtype=long),
-        "query_positions": context_t.unsqueeze(1) + offsets,
+        "block_tables": tables_a,
+        "state_slots": np.array(state_slots, dtype=long),
+        "query_positions": context_a[:, None] + offsets,
     }
     if not uniform:
-        within = offsets.unsqueeze(0) < lengths_t.unsqueeze(1)
-        named["pad_index"] = torch.where(
-            within, starts[:-1].unsqueeze(1) + offsets, num_tokens
-        )
+        within = offsets[None, :] < lengths_a[:, None]
+        named["pad_index"] = np.where(
+            within, starts[:-1, None] + offsets, num_tokens
+        ).astype(long)
         named["unpad_index"] = row_seq * max_query_len + row_in_seq
     layout = StepLayout(
         num_seqs=num_seqs,
@@ -153,21 +157,19 @@ def build_step(
         keeps_row_states=any(work.num_drafts for work in works),
         fields=tuple((name, tuple(t.shape)) for name, t in named.items()),
     )
-    return torch.cat([t.reshape(-1) for t in named.values()]), layout
+    packed = np.concatenate([array.reshape(-1) for array in named.values()])
+    return torch.from_numpy(packed), layout
 
 
 def view_step(
     packed: torch.Tensor, layout: StepLayout
 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     """(input_ids, positions, metadata) as views of a packed buffer."""
-    views: dict[str, torch.Tensor] = {}
-    offset = 0
-    for name, shape in layout.fields:
-        size = 1
-        for dim in shape:
-            size *= dim
-        views[name] = packed[offset : offset + size].view(shape)
-        offset += size
+    # One split, not a slice per field: each torch call costs dispatch time.
+    pieces = packed.split([math.prod(shape) for _, shape in layout.fields])
+    views = {
+        name: piece.view(shape) for (name, shape), piece in zip(layout.fields, pieces)
+    }
     metadata = AttentionMetadata(
         num_seqs=layout.num_seqs,
         num_tokens=layout.num_tokens,
@@ -197,4 +199,14 @@ def prepare_inputs(
     """(input_ids [N], positions [N], metadata) with sequences as consecutive rows,
     on `device` after one host-to-device copy."""
     packed, layout = build_step(works, block_size, table_width, padding)
-    return view_step(packed.to(device), layout)
+    return view_step(to_device(packed, device), layout)
+
+
+def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """`host` on `device`; a GPU copy goes from pinned memory without blocking,
+    so the host goes on to the step's sampling fields while it runs (a pageable
+    copy holds the host until it is done). The caching host allocator keeps the
+    pinned block until the copy has run."""
+    if torch.device(device).type == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)

@@ -224,12 +224,16 @@ class ModelRunner:
         )
         self.step_sampler.forget(batch.finished_seq_ids)
         num_tokens = batch.num_tokens
+        graphs = self.graphs
+        graph_key = graphs.size_for(batch.work) if graphs is not None else None
         received, taps_in = None, None
         if not self.is_first_stage:
-            payload = recv_tensor_dict(self.device, self._expected_keys())
+            # A replayed step receives straight into its graph's static payload.
+            into = graphs.payload.tensors if graph_key is not None else None
+            payload = recv_tensor_dict(self.device, self._expected_keys(), into)
             taps_in = payload.pop(AUX_KEY, None)
             received = IntermediateTensors(payload)
-        out, positions, slot_mapping = self._forward(batch.work, received)
+        out, positions, slot_mapping = self._forward(batch.work, received, graph_key)
         saves = [work for work in batch.work if work.state_save_dst is not None]
         self.cache.copy_states(
             [work.state_slot for work in saves], [work.state_save_dst for work in saves]
@@ -245,13 +249,15 @@ class ModelRunner:
         return self._sample_and_draft(batch, out, positions, slot_mapping, taps_in)
 
     def _forward(
-        self, works: list[SeqWork], received: IntermediateTensors | None
+        self,
+        works: list[SeqWork],
+        received: IntermediateTensors | None,
+        graph_key: tuple[int, int] | None,
     ) -> tuple[torch.Tensor | IntermediateTensors, torch.Tensor, torch.Tensor]:
-        """(stage output, positions, slot mapping) of the batch's rows: a captured
-        graph replays decode batches it covers, everything else runs eagerly."""
-        key = self.graphs.size_for(works) if self.graphs is not None else None
-        if key is not None:
-            return self.graphs.run(key, works, received)
+        """(stage output, positions, slot mapping) of the batch's rows: the captured
+        graph `graph_key` (DecodeGraphs.size_for) replays, or it runs eagerly."""
+        if graph_key is not None:
+            return self.graphs.run(graph_key, works, received)
         input_ids, positions, metadata = prepare_inputs(
             works, self.limits.block_size, self.device
         )

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from atom.model_engine.sequence import Sequence
+from atom.utils.tokenizer import output_decoder
 
 
 @dataclass
@@ -54,6 +55,7 @@ class OutputProcessor:
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
+        self.decode = None if tokenizer is None else output_decoder(tokenizer)
         self.requests: dict[str, _Detok] = {}
         self.request_of_seq: dict[int, str] = {}
 
@@ -67,11 +69,9 @@ class OutputProcessor:
             del self.request_of_seq[state.seq.seq_id]
 
     def _new_text(self, state: _Detok, outputs: list[int]) -> str:
-        decode = self.tokenizer.decode
-        seen = decode(
-            outputs[state.prefix_offset : state.read_offset], skip_special_tokens=True
-        )
-        window = decode(outputs[state.prefix_offset :], skip_special_tokens=True)
+        decode = self.decode
+        seen = decode(outputs[state.prefix_offset : state.read_offset])
+        window = decode(outputs[state.prefix_offset :])
         incomplete = window.endswith("\ufffd") and not state.seq.is_finished
         if len(window) <= len(seen) or incomplete:
             return ""
@@ -117,7 +117,7 @@ class OutputProcessor:
         output = RequestOutput(
             request_id=request_id,
             prompt_token_ids=seq.prompt_token_ids,
-            output_token_ids=list(outputs),
+            output_token_ids=outputs,  # a fresh slice, the caller's to keep
             new_token_ids=new_ids,
             text=text,
             new_text=new_text,

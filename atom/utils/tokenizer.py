@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from typing import Any
 
 # Any one of these makes a folder loadable by AutoTokenizer (fast, sentencepiece,
@@ -127,3 +128,30 @@ def max_bytes_per_token(tokenizer: Any) -> int | None:
     ):
         return None
     return max(len(token.encode("utf-8")) for token in tokenizer.get_vocab())
+
+
+def output_decoder(tokenizer: Any) -> Callable[[list[int]], str]:
+    """`ids -> tokenizer.decode(ids, skip_special_tokens=True)`, the decode of
+    output text, as cheap as it can be had.
+
+    transformers' Python wrapper costs several times the Rust backend's decode of
+    a short window, and the detokenizer decodes two windows per request per step.
+    Where the wrapper adds nothing (a TokenizersBackend that overrides neither
+    decode step and has no clean-up pass), the backend is called straight; any
+    other tokenizer keeps its own decode.
+    """
+    # Imported here, as in load_tokenizer.
+    from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+    cls = type(tokenizer)
+    straight = (
+        isinstance(tokenizer, TokenizersBackend)
+        and cls.decode is PreTrainedTokenizerBase.decode
+        and cls._decode is TokenizersBackend._decode
+        and not tokenizer.clean_up_tokenization_spaces
+    )
+    if straight:
+        backend = tokenizer.backend_tokenizer
+        return lambda ids: backend.decode(ids, skip_special_tokens=True)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)

@@ -108,6 +108,35 @@ def test_stage_transport_carries_every_key():
             assert torch.equal(got[key], sent[key]), key
 
 
+def exchange_into_buffers(rank):
+    """A graph's static payload as `into`: fitting keys land in its leading rows,
+    a key of another dtype gets a tensor of its own."""
+    payload = {
+        "hidden_states": torch.arange(12.0).view(3, 4),
+        "residual": torch.ones(3, 4, dtype=torch.bfloat16),
+    }
+    if get_pp_group().is_first_rank:
+        send_tensor_dict(payload)
+        return None
+    buffers = {"hidden_states": torch.zeros(8, 4), "residual": torch.zeros(8, 4)}
+    got = recv_tensor_dict(torch.device("cpu"), set(payload), into=buffers)
+    return {
+        "in_place": got["hidden_states"].data_ptr()
+        == buffers["hidden_states"].data_ptr(),
+        "buffer_rows": buffers["hidden_states"][:3].clone(),
+        "residual_own": got["residual"].data_ptr() != buffers["residual"].data_ptr(),
+        "residual": got["residual"].clone(),
+        "sent": payload,
+    }
+
+
+def test_stage_transport_receives_into_persistent_buffers():
+    got = run_ranks(exchange_into_buffers, tp_size=1, pp_size=2)[1]
+    assert got["in_place"] and got["residual_own"]
+    assert torch.equal(got["buffer_rows"], got["sent"]["hidden_states"])
+    assert torch.equal(got["residual"], got["sent"]["residual"])
+
+
 def mismatched_keys(rank):
     if get_pp_group().is_first_rank:
         send_tensor_dict({"hidden_states": torch.zeros(2, 2)})

@@ -8,7 +8,7 @@ from atom.model_engine.output_processor import OutputProcessor
 from atom.model_engine.sequence import Sequence, SequenceStatus
 from atom.models.tiny import resolve_model_path
 from atom.sampling_params import SamplingParams
-from atom.utils.tokenizer import load_tokenizer
+from atom.utils.tokenizer import load_tokenizer, output_decoder
 
 TEXT = "In the beginning — «héllo» 世界 👋 and the earth was without form."
 
@@ -49,3 +49,18 @@ def test_stop_string_cuts_the_text(tokenizer):
     outputs = stream(tokenizer, ids, stop=["earth"])
     assert outputs[-1].finished and outputs[-1].finish_reason == "stop"
     assert outputs[-1].text == TEXT[: TEXT.index("earth")]
+
+
+@pytest.mark.parametrize("clean_up", [False, True])
+def test_output_decoder_is_the_tokenizers_decode(clean_up):
+    """The straight backend call (no clean-up) and the fallback (clean-up on) give
+    exactly `tokenizer.decode(ids, skip_special_tokens=True)`, special ids and
+    split characters included."""
+    tokenizer = load_tokenizer(resolve_model_path("tiny-kimi-k3"))
+    tokenizer.clean_up_tokenization_spaces = clean_up
+    decode = output_decoder(tokenizer)
+    ids = tokenizer.encode(TEXT + " , .", add_special_tokens=False)
+    specials = tokenizer.all_special_ids
+    for cut in range(len(ids) + 1):
+        window = [*specials[:1], *ids[:cut], *specials[1:]]
+        assert decode(window) == tokenizer.decode(window, skip_special_tokens=True)

@@ -126,18 +126,17 @@ def test_graph_decode_equals_eager_decode(runners, num_seqs, dtype, num_drafts):
                 for i, p in enumerate(prompts)
             ],
             None,
+            None,
         )
         step = decode_step(prompts, num_drafts)
         key = runner.graphs.size_for(step)
         assert key == (next(s for s in (1, 2, 4, 8) if s >= num_seqs), num_drafts + 1)
         before = snapshot(runner)
-        graph_out, _, _ = runner._forward(step, None)
+        graph_out, _, _ = runner._forward(step, None, key)
         graph_logits = runner.model.compute_logits(graph_out).float()
         graph_caches = snapshot(runner)
         restore(runner, before)
-        graphs, runner.graphs = runner.graphs, None
-        eager_out, _, _ = runner._forward(step, None)
-        runner.graphs = graphs
+        eager_out, _, _ = runner._forward(step, None, None)
         eager_logits = runner.model.compute_logits(eager_out).float()
         eager_caches = snapshot(runner)
     assert graph_logits.shape[0] == num_seqs * (num_drafts + 1)

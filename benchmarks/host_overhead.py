@@ -1,0 +1,273 @@
+"""The host's work per decode step, phase by phase, on CPU.
+
+Runs one in-process engine (tp = pp = 1) on CPU with a tiny model and times each
+phase of a decode step with `time.perf_counter` around the engine's own functions:
+
+    schedule   Scheduler.schedule              (which rows run, their SeqWorks)
+    inputs     model_inputs.prepare_inputs      (the packed step buffer, its copy)
+    forward    the model's forward             (device work on a GPU)
+    logits     the LM head (device work on a GPU)
+    sample     SamplingMetadata + StepSampler (its .tolist() is the sync)
+    runner     the rest of ModelRunner.execute (cache commits, state copies, ...)
+    post       Scheduler.postprocess            (append tokens, finish checks)
+    output     OutputProcessor / engine output (detokenize, stop strings)
+    engine     the rest of LLMEngine.step
+
+Everything but `forward` and `logits` (and the kernels inside `sample`) is the
+work a GPU does not hide; at batch 1 on an H200 it is about half of a decode step
+(`benchmarks/profile_decode.py`). The timers wrap attributes of this engine's
+objects only, so the engine itself carries no timing code. Each figure is the
+minimum over `--repeats` runs. `--no-forward` makes the forward return zeros: a CPU
+forward evicts the host's caches, so the phases after it run cold, while on a GPU
+they run warm. It also times the step buffer a graph replay builds (tables at the
+graph's fixed width, `--replay-table-width`). `--cprofile N` prints the N functions with the most own time in
+steps without a forward.
+
+    python benchmarks/host_overhead.py --batch-sizes 1,32 --steps 64 --no-forward
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import functools
+import pstats
+import random
+import time
+import timeit
+from collections import defaultdict
+from collections.abc import Callable
+
+import torch
+
+from atom import LLMEngine, SamplingParams
+from atom.model_engine import model_runner as model_runner_module
+from atom.model_engine.batch import SeqWork
+from atom.model_engine.model_inputs import SeqPadding, build_step
+
+PHASES = (
+    "schedule",
+    "inputs",
+    "forward",
+    "logits",
+    "sample",
+    "runner",
+    "post",
+    "output",
+)
+DEVICE_PHASES = ("forward", "logits")
+
+
+class PhaseTimer:
+    """Seconds spent inside wrapped callables, by phase; nested phases are
+    subtracted from the phase around them, so the phases add up to the step."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self._stack: list[float] = []  # child time of each open phase
+
+    def wrap(self, phase: str, fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            self._stack.append(0.0)
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent = time.perf_counter() - start
+                children = self._stack.pop()
+                self.seconds[phase] += spent - children
+                if self._stack:
+                    self._stack[-1] += spent
+
+        return timed
+
+    def reset(self) -> None:
+        self.seconds.clear()
+
+
+def instrument(engine: LLMEngine, timer: PhaseTimer) -> None:
+    """Wrap the engine's phase functions (this engine's objects, and the runner
+    module's reference to build_step, only)."""
+    runner = engine.workers.runner
+    scheduler = engine.scheduler
+    scheduler.schedule = timer.wrap("schedule", scheduler.schedule)
+    scheduler.postprocess = timer.wrap("post", scheduler.postprocess)
+    runner.execute = timer.wrap("runner", runner.execute)
+    runner._sample_and_draft = timer.wrap("sample", runner._sample_and_draft)
+    runner.model.forward = timer.wrap("forward", runner.model.forward)
+    runner.model.compute_logits = timer.wrap("logits", runner.model.compute_logits)
+    engine._output_of = timer.wrap("output", engine._output_of)
+    inputs = model_runner_module.prepare_inputs
+    model_runner_module.prepare_inputs = timer.wrap("inputs", inputs)
+
+
+def uninstrument() -> None:
+    inputs = model_runner_module.prepare_inputs
+    model_runner_module.prepare_inputs = getattr(inputs, "__wrapped__", inputs)
+
+
+def start_decode(engine: LLMEngine, batch: int, steps: int, seed: int) -> None:
+    """Add `batch` requests of `steps` + 1 tokens and step until every one holds
+    its first token: what follows are decode steps only."""
+    rng = random.Random(seed)
+    params = SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)
+    for _ in range(batch):
+        engine.add_request([rng.randrange(100) for _ in range(16)], params)
+    scheduler = engine.scheduler
+    while scheduler.waiting or any(
+        seq.num_output_tokens == 0 for seq in scheduler.running
+    ):
+        engine.step()
+
+
+def run_to_end(engine: LLMEngine) -> tuple[float, int]:
+    """(seconds, steps) until no request is left."""
+    count = 0
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+        count += 1
+    return time.perf_counter() - start, count
+
+
+def measure(
+    engine: LLMEngine, timer: PhaseTimer, batch: int, steps: int, seed: int
+) -> dict[str, float]:
+    """Microseconds per decode step: each phase, "engine" (the rest of
+    LLMEngine.step), "step" (the whole) and "host" (all but the device phases)."""
+    start_decode(engine, batch, steps, seed)
+    timer.reset()
+    seconds, count = run_to_end(engine)
+    per_step = {p: timer.seconds.get(p, 0.0) / count * 1e6 for p in PHASES}
+    per_step["engine"] = seconds / count * 1e6 - sum(per_step.values())
+    per_step["step"] = seconds / count * 1e6
+    per_step["host"] = per_step["step"] - sum(per_step[p] for p in DEVICE_PHASES)
+    return per_step
+
+
+def report(batch: int, runs: list[dict[str, float]]) -> None:
+    """One line per batch size: the minimum over the runs of each figure, since
+    other work on the machine only ever adds time."""
+    best = {key: min(run[key] for run in runs) for key in runs[0]}
+    cells = "  ".join(
+        f"{p} {best[p]:.1f}" for p in (*PHASES, "engine") if p not in DEVICE_PHASES
+    )
+    print(
+        f"batch {batch:3d}: step {best['step']:8.1f} us, forward {best['forward']:.1f}"
+        f" + logits {best['logits']:.1f} us, host {best['host']:7.1f} us/step "
+        f"| {cells}"
+    )
+
+
+@contextlib.contextmanager
+def without_forward(engine: LLMEngine):
+    """The model's forward returns zeros at once (the tokens are garbage, which
+    `ignore_eos` makes harmless)."""
+    runner = engine.workers.runner
+    hidden = int(engine.config.hf_config.text["hidden_size"])
+    forward = runner.model.forward
+
+    def no_forward(input_ids, positions, intermediate=None):
+        return torch.zeros(input_ids.shape[0], hidden, dtype=runner.dtype)
+
+    runner.model.forward = no_forward
+    try:
+        yield
+    finally:
+        runner.model.forward = forward
+
+
+def profile_host(engine: LLMEngine, batch: int, steps: int, top: int) -> None:
+    """cProfile of decode steps without a forward: the host's functions only."""
+    start_decode(engine, batch, steps, seed=1)
+    with without_forward(engine):
+        profiler = cProfile.Profile()
+        profiler.enable()
+        seconds, count = run_to_end(engine)
+        profiler.disable()
+    print(
+        f"\n## cProfile, batch {batch}, {count} decode steps without a forward: "
+        f"{seconds / count * 1e6:.1f} us/step (profiled), most own time"
+    )
+    stats = pstats.Stats(profiler).sort_stats("tottime")
+    stats.print_stats(top)
+
+
+def time_replay_buffer(batch: int, table_width: int, block_size: int = 16) -> None:
+    """The step buffer of a graph replay (`DecodeGraphs.run`): decode rows, tables
+    padded to the graph's fixed width, built on the host every decode step."""
+    works = [
+        SeqWork(
+            seq_id=i,
+            token_ids=[5],
+            context_len=40,
+            block_table=list(range(8)),
+            state_slot=i,
+        )
+        for i in range(batch)
+    ]
+    padding = SeqPadding(batch, 0, 0)
+    runs = timeit.repeat(
+        lambda: build_step(works, block_size, table_width, padding),
+        number=500,
+        repeat=5,
+    )
+    print(
+        f"batch {batch:3d}: graph-replay step buffer (table width {table_width}) "
+        f"{min(runs) / 500 * 1e6:.1f} us"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="tiny-kimi-k3")
+    parser.add_argument("--batch-sizes", default="1,32")
+    parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--cprofile", type=int, default=0, metavar="N")
+    parser.add_argument(
+        "--no-forward",
+        action="store_true",
+        help="the forward returns zeros: host phases with warm caches, as on a GPU",
+    )
+    parser.add_argument(
+        "--replay-table-width",
+        type=int,
+        default=256,
+        help="block-table width of the graph-replay buffer timed (256: 4096 tokens)",
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    torch.manual_seed(args.seed)
+    engine = LLMEngine(
+        args.model,
+        device="cpu",
+        max_num_seqs=max(batches),
+        max_model_len=64 + args.steps,
+        max_num_batched_tokens=max(256, 16 * max(batches)),
+    )
+    timer = PhaseTimer()
+    with contextlib.ExitStack() as stack:
+        if args.no_forward:  # before instrument, so the timer wraps the stub
+            stack.enter_context(without_forward(engine))
+        instrument(engine, timer)
+        stack.callback(uninstrument)
+        for batch in batches:
+            measure(engine, timer, batch, 4, args.seed)  # warm-up
+            runs = [
+                measure(engine, timer, batch, args.steps, args.seed)
+                for _ in range(args.repeats)
+            ]
+            report(batch, runs)
+    for batch in batches:
+        time_replay_buffer(batch, args.replay_table_width)
+    for batch in batches if args.cprofile else []:
+        profile_host(engine, batch, args.steps, args.cprofile)
+    engine.close()
+
+
+if __name__ == "__main__":
+    main()
