@@ -31,3 +31,12 @@ def triton_available(device: torch.device | str) -> bool:
         return False
     kind = torch.device(device).type
     return kind == "cuda" or (kind == "cpu" and interpreting())
+
+
+def require_triton(device: torch.device | str, what: str) -> None:
+    """A ValueError naming `what` when these kernels cannot run on `device`."""
+    if not triton_available(device):
+        raise ValueError(
+            f"{what} needs triton and a CUDA device (or TRITON_INTERPRET=1 on CPU), "
+            f"got {device}"
+        )

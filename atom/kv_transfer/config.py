@@ -3,9 +3,10 @@ consumer, parsed once into `KVTransferConfig`."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, fields
 from typing import Any
+
+from atom.utils.json_flag import json_object
 
 PD_ROLES = ("kv_producer", "kv_consumer")
 # Transfer protocols the Mooncake connector passes to its engine: `tcp` moves host
@@ -61,18 +62,11 @@ class KVTransferConfig:
     @classmethod
     def parse(cls, value: str | dict[str, Any]) -> KVTransferConfig:
         """From the flag's JSON text or an already decoded object."""
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as error:
-                raise ValueError(
-                    f"kv_transfer_config is not valid JSON: {error}"
-                ) from None
-        if not isinstance(value, dict):
-            raise ValueError(
-                "kv_transfer_config must be a JSON object like "
-                '{"kv_role": "kv_producer", "kv_connector": "mooncake"}'
-            )
+        value = json_object(
+            value,
+            "kv_transfer_config",
+            '{"kv_role": "kv_producer", "kv_connector": "mooncake"}',
+        )
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(value) - known)
         if unknown:

@@ -15,7 +15,7 @@ from typing import Protocol
 import torch
 
 from atom.config import ATTENTION_BACKENDS
-from atom.kernels import triton_available
+from atom.kernels import require_triton, triton_available
 from atom.model_ops.paged_cache import gather_kv, write_kv
 from atom.model_ops.paged_mla import ABSORB_MAX_QUERY_LEN, latent_attention, split_kv_b
 from atom.model_ops.visibility import causal_visibility
@@ -110,11 +110,8 @@ def select_mla_backend(device: torch.device | str, choice: str = "auto") -> MLAB
     on_cuda = torch.device(device).type == "cuda"
     if choice == "torch" or (choice == "auto" and not on_cuda):
         return TorchMLABackend()
+    if choice == "triton":
+        require_triton(device, "the triton attention backend")
     if not triton_available(device):
-        if choice == "triton":
-            raise ValueError(
-                f"the triton attention backend needs triton and a CUDA device (or "
-                f"TRITON_INTERPRET=1 on CPU), got {device}"
-            )
         return TorchMLABackend()
     return TritonMLABackend(TorchMLABackend())

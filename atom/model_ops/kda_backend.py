@@ -16,7 +16,7 @@ from typing import Protocol
 import torch
 
 from atom.config import KDA_BACKENDS
-from atom.kernels import triton_available
+from atom.kernels import require_triton, triton_available
 from atom.model_ops.kda import (
     causal_conv1d,
     chunk_kda,
@@ -251,12 +251,9 @@ def select_kda_backend(device: torch.device | str, choice: str = "auto") -> KDAB
                 "is not importable"
             )
         return FlaKDABackend()
+    if choice == "triton":
+        require_triton(device, "the triton KDA backend")
     if not triton_available(device):
-        if choice == "triton":
-            raise ValueError(
-                f"the triton KDA backend needs triton and a CUDA device (or "
-                f"TRITON_INTERPRET=1 on CPU), got {device}"
-            )
         return FlaKDABackend() if fla_available() else TorchKDABackend()
     prefill = FlaKDABackend() if on_cuda and fla_available() else TorchKDABackend()
     return TritonKDABackend(prefill)

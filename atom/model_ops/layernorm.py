@@ -6,6 +6,8 @@ wherever autograd needs the graph (training), as the torch reference.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -82,3 +84,23 @@ class GemmaRMSNorm(RMSNorm):
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__(hidden_size, eps)
         self.weight.data.zero_()
+
+
+def pre_norm_attention(
+    input_norm: RMSNorm,
+    post_norm: RMSNorm,
+    attention: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    positions: torch.Tensor,
+    hidden_states: torch.Tensor,
+    residual: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A pre-norm decoder layer up to its FFN: (the FFN's normed input, the residual
+    stream after attention). The previous layer's output joins the stream in the
+    input norm and the attention output in the post-attention norm (one kernel each
+    on CUDA); the first layer's stream is its input."""
+    if residual is None:
+        stream = hidden_states
+        x = input_norm(stream)
+    else:
+        x, stream = input_norm.add_and_norm(hidden_states, residual)
+    return post_norm.add_and_norm(attention(positions, x), stream)

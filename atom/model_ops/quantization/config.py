@@ -13,10 +13,11 @@ refuse a bad flag before any model code loads.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from atom.utils.json_flag import json_object
 
 ONLINE_FLAG = "--online_quant_config"
 # Per-output-channel fp8 e4m3 weights, per-token fp8 activations (`ptpc_fp8.py`).
@@ -29,19 +30,9 @@ ONLINE_KEYS = ("global_quant_config",)
 def _online_mapping(online: str | Mapping | None) -> Mapping:
     if online is None or online == "":
         return {}
-    if isinstance(online, str):
-        try:
-            online = json.loads(online)
-        except json.JSONDecodeError as err:
-            raise ValueError(
-                f"{ONLINE_FLAG} must be JSON like "
-                f'\'{{"global_quant_config": "{PTPC_FP8}"}}\', got {online!r} ({err})'
-            ) from None
-    if not isinstance(online, Mapping):
-        raise ValueError(
-            f"{ONLINE_FLAG} must be a JSON object, got {type(online).__name__}"
-        )
-    return online
+    return json_object(
+        online, ONLINE_FLAG, f'\'{{"global_quant_config": "{PTPC_FP8}"}}\''
+    )
 
 
 def parse_online_scheme(online: str | Mapping | None) -> str | None:

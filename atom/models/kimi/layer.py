@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from atom.model_ops.attn_res import attn_res_mix
-from atom.model_ops.layernorm import RMSNorm
+from atom.model_ops.layernorm import RMSNorm, pre_norm_attention
 from atom.model_ops.linear import ReplicatedLinear
 from atom.models.kimi.config import KimiTextConfig
 from atom.models.kimi.kda import KimiDeltaAttention
@@ -78,13 +78,14 @@ class KimiDecoderLayer(nn.Module):
         block_residual: torch.Tensor | None = None,
     ) -> LayerOutput:
         if self.block_size is None:
-            if residual is None:
-                stream = hidden_states
-                x = self.input_layernorm(stream)
-            else:
-                x, stream = self.input_layernorm.add_and_norm(hidden_states, residual)
-            attn_out = self.self_attn(positions, x)
-            z, stream = self.post_attention_layernorm.add_and_norm(attn_out, stream)
+            z, stream = pre_norm_attention(
+                self.input_layernorm,
+                self.post_attention_layernorm,
+                self.self_attn,
+                positions,
+                hidden_states,
+                residual,
+            )
             return self._ffn(z), stream, None
         stream = hidden_states if residual is None else residual + hidden_states
         if block_residual is None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from atom.model_ops.layernorm import GemmaRMSNorm
+from atom.model_ops.layernorm import GemmaRMSNorm, pre_norm_attention
 from atom.models.minimax_m3.attention import MiniMaxM3Attention
 from atom.models.minimax_m3.config import MiniMaxM3TextConfig
 from atom.models.minimax_m3.moe import MiniMaxM3MoE, dense_mlp
@@ -40,13 +40,14 @@ class MiniMaxM3DecoderLayer(nn.Module):
         hidden_states: torch.Tensor,
         residual: torch.Tensor | None,
     ) -> LayerOutput:
-        if residual is None:
-            stream = hidden_states
-            x = self.input_layernorm(stream)
-        else:
-            x, stream = self.input_layernorm.add_and_norm(hidden_states, residual)
-        attn_out = self.self_attn(positions, x)
-        z, stream = self.post_attention_layernorm.add_and_norm(attn_out, stream)
+        z, stream = pre_norm_attention(
+            self.input_layernorm,
+            self.post_attention_layernorm,
+            self.self_attn,
+            positions,
+            hidden_states,
+            residual,
+        )
         ffn = self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
         return ffn(z), stream
 

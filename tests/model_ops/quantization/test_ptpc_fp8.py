@@ -173,7 +173,7 @@ def test_online_config_parses_json_or_a_mapping(online, scheme):
     [
         ('{"global_quant_config": "int4"}', "unknown global_quant_config 'int4'"),
         ('{"layer_quant_config": {}}', "unsupported keys"),
-        ("ptpc_fp8", "must be JSON"),
+        ("ptpc_fp8", "is not valid JSON"),
         ('["ptpc_fp8"]', "must be a JSON object"),
     ],
 )
