@@ -103,6 +103,14 @@ class LLMEngine:
         vocab = self.config.hf_config.text.get("vocab_size")
         if vocab is not None and any(not 0 <= t < vocab for t in token_ids):
             raise ValueError(f"prompt token ids must lie in [0, {vocab})")
+        named = [
+            t for t in params.token_ids_to_check if vocab is not None and t >= vocab
+        ]
+        if named:
+            raise ValueError(
+                f"logit_bias / stop_token_ids name token ids {named[:5]} outside "
+                f"the vocabulary [0, {vocab})"
+            )
         self._check_fits_context(len(token_ids), params.max_tokens)
         if params.seed is None:
             # Sampling draws from uniforms keyed by the request's seed, so every

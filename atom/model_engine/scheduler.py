@@ -19,7 +19,12 @@ from collections import deque
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from atom.model_engine.batch import BatchOutput, ScheduledBatch, SeqWork
+from atom.model_engine.batch import (
+    BatchOutput,
+    LogitAdjustWork,
+    ScheduledBatch,
+    SeqWork,
+)
 from atom.model_engine.block_manager import BlockManager
 from atom.model_engine.sequence import Sequence, SequenceStatus
 from atom.model_engine.state_cache import StateCheckpointPool, StateSlotAllocator
@@ -300,10 +305,10 @@ class Scheduler:
         seq.in_flight_batch_id = None
         self._pending_commits.pop(seq.seq_id, None)
 
-    @staticmethod
-    def _work(seq: Sequence, **rows) -> SeqWork:
+    def _work(self, seq: Sequence, **rows) -> SeqWork:
         """The sequence's SeqWork: its rows (`rows`) with its table, slot and sampling."""
         sp = seq.sampling_params
+        samples = rows.get("sample", True)
         return SeqWork(
             seq_id=seq.seq_id,
             block_table=list(seq.block_table),
@@ -312,7 +317,33 @@ class Scheduler:
             top_k=sp.top_k,
             top_p=sp.top_p,
             seed=sp.seed,
+            logit_adjust=(
+                self._logit_adjust(seq) if samples and sp.adjusts_logits else None
+            ),
             **rows,
+        )
+
+    def _logit_adjust(self, seq: Sequence) -> LogitAdjustWork:
+        """The settings and history the last stage adjusts seq's logits with; the
+        history travels only when a penalty needs it."""
+        sp = seq.sampling_params
+        banned = set(sp.stop_token_ids or ())
+        if not sp.ignore_eos:
+            banned |= self.eos_token_ids
+        counts_outputs = sp.frequency_penalty or sp.presence_penalty
+        repeats = sp.repetition_penalty != 1
+        return LogitAdjustWork(
+            frequency_penalty=sp.frequency_penalty,
+            presence_penalty=sp.presence_penalty,
+            repetition_penalty=sp.repetition_penalty,
+            logit_bias=dict(sp.logit_bias or {}),
+            min_tokens=sp.min_tokens,
+            banned_until_min_tokens=sorted(banned) if sp.min_tokens else [],
+            output_token_ids=(
+                seq.output_token_ids if counts_outputs or repeats else []
+            ),
+            prompt_token_ids=seq.distinct_prompt_token_ids if repeats else [],
+            num_output_tokens=seq.num_output_tokens,
         )
 
     # ---- results ----

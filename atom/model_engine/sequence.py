@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from enum import Enum, auto
@@ -101,6 +102,11 @@ class Sequence:
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
 
+    @functools.cached_property
+    def distinct_prompt_token_ids(self) -> list[int]:
+        """The prompt's ids, each once (repetition_penalty sends it every step)."""
+        return sorted(set(self.prompt_token_ids))
+
     @property
     def queue_time(self) -> float | None:
         """Seconds from arrival to the first admission; None until admitted."""
@@ -116,12 +122,14 @@ class Sequence:
         self, tokens: list[int], eos_token_ids: frozenset[int], max_model_len: int
     ) -> str | None:
         """Append token by token up to the first token-level stop (EOS unless
-        ignore_eos, max_tokens, max_model_len), dropping the rest; returns the
+        ignore_eos, a stop_token_ids entry, max_tokens, max_model_len), dropping the rest; returns the
         finish reason or None. Stop strings are the detokenizer's job."""
         sp = self.sampling_params
         for token in tokens:
             self.token_ids.append(token)
             if not sp.ignore_eos and token in eos_token_ids:
+                return "stop"
+            if sp.stop_token_ids and token in sp.stop_token_ids:
                 return "stop"
             if self.num_output_tokens >= sp.max_tokens:
                 return "length"

@@ -51,12 +51,20 @@ class StepSampler:
         spec = sampling.spec
         if spec is None:
             raise ValueError("the step's SamplingMetadata carries no spec metadata")
+        adjust = sampling.adjust
         if spec.max_drafts == 0:
+            if adjust is not None:
+                logits = adjust.apply(logits.unsqueeze(1)).squeeze(1)
             emitted = sample_tokens(logits, sampling).unsqueeze(1)
             accepted = torch.zeros_like(emitted[:, 0])
         else:
+            verified = logits[spec.row_index]
+            if adjust is not None:
+                # The same adjustment as plain sampling, each row counting the
+                # drafts before it: lossless speculation with penalties on.
+                verified = adjust.apply(verified, spec.draft_ids, spec.num_drafts)
             emitted, accepted = verify_drafts(
-                logits[spec.row_index],
+                verified,
                 spec.draft_ids,
                 spec.num_drafts,
                 self._probs_of_verified_drafts(sampling, logits),

@@ -5,7 +5,9 @@ be clamped to it, instead of refused, finishes quickly and fails the test.
 """
 
 import pytest
+from tokenizers import Tokenizer
 
+from atom.models.tiny.tokenizer import TOKENIZER_FILE
 from tests.entrypoints.server_helpers import Server
 
 MODEL = "tiny-kimi-k3"
@@ -78,14 +80,17 @@ def test_chat_without_max_tokens_fills_the_rest_of_the_context(server):
     assert response.json()["choices"][0]["finish_reason"] == "length"
 
 
-# (endpoint, field, value): each asks for something atom does not do.
+# (endpoint, field, value): each asks for something atom does not do, or is out
+# of the field's range.
 REFUSED = [
-    (COMPLETIONS, "frequency_penalty", 0.5),
-    (CHAT, "frequency_penalty", -1),
-    (COMPLETIONS, "presence_penalty", 1),
-    (CHAT, "presence_penalty", 0.1),
-    (COMPLETIONS, "logit_bias", {"5": -100}),
-    (CHAT, "logit_bias", {"5": 100}),
+    (COMPLETIONS, "frequency_penalty", 2.5),  # out of OpenAI's [-2, 2]
+    (CHAT, "presence_penalty", False),
+    (COMPLETIONS, "logit_bias", {"five": 1}),
+    (CHAT, "logit_bias", {"5": 101}),
+    (COMPLETIONS, "logit_bias", {"999999": 1}),  # outside the vocabulary
+    (COMPLETIONS, "min_tokens", -1),
+    (CHAT, "repetition_penalty", 0),
+    (COMPLETIONS, "stop_token_ids", 3),  # not a list
     (COMPLETIONS, "best_of", 2),
     (COMPLETIONS, "suffix", " the end"),
     (COMPLETIONS, "logprobs", 0),
@@ -97,8 +102,6 @@ REFUSED = [
     (CHAT, "tool_choice", "auto"),
     (CHAT, "response_format", {"type": "json_object"}),
     (CHAT, "reasoning_effort", "low"),
-    (COMPLETIONS, "min_tokens", 3),  # unknown: a vLLM extension atom lacks
-    (CHAT, "repetition_penalty", 1.2),
     (COMPLETIONS, "made_up_field", 1),
     (CHAT, "made_up_field", None),
 ]
@@ -132,6 +135,8 @@ SERVED = [
     (COMPLETIONS, {"stop": ["\n"], "seed": 3, "ignore_eos": True, "n": 1}),
     (COMPLETIONS, {"max_completion_tokens": 2, "user": "someone"}),
     (COMPLETIONS, {"frequency_penalty": 0, "presence_penalty": 0.0}),
+    (CHAT, {"frequency_penalty": 1, "presence_penalty": -0.5, "min_tokens": 1}),
+    (CHAT, {"repetition_penalty": 1.3, "stop_token_ids": [3], "logit_bias": {}}),
     (COMPLETIONS, {"logit_bias": {}, "best_of": 1, "echo": False}),
     (COMPLETIONS, {"logprobs": None, "suffix": None}),
     (COMPLETIONS, {"stream": True, "stream_options": {"include_usage": True}}),
@@ -145,3 +150,23 @@ SERVED = [
 def test_honoured_fields_and_off_values_are_served(server, path, fields):
     response = server.post(path, request(path, **fields))
     assert response.status_code == 200, response.text
+
+
+def test_logit_bias_bans_and_forces_a_token(server):
+    """The server has the tiny tokenizer, so tokens are read back from the text."""
+    tokenizer = Tokenizer.from_file(str(TOKENIZER_FILE))
+
+    def completion(**fields) -> str:
+        body = {"prompt": "And God said", "max_tokens": 6, "temperature": 0}
+        response = server.post(COMPLETIONS, body | {"ignore_eos": True} | fields)
+        assert response.status_code == 200, response.text
+        return response.json()["choices"][0]["text"]
+
+    plain = completion()
+    banned = tokenizer.encode(plain).ids[0]
+    assert plain.startswith(tokenizer.decode([banned]))
+    without = completion(logit_bias={str(banned): -100})
+    assert banned not in tokenizer.encode(without).ids
+    forced = tokenizer.encode(" light").ids[0]
+    always = completion(logit_bias={str(forced): 100}, temperature=1.0)
+    assert always == tokenizer.decode([forced] * 6)

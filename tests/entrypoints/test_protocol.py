@@ -84,13 +84,23 @@ def test_completion_request_fills_params_and_takes_the_off_values():
     assert params.stop == ["\n\n"] and params.seed == 1234 and params.ignore_eos
 
 
+def test_penalties_bias_and_token_stops_fill_params():
+    fields = {"frequency_penalty": 0.5, "presence_penalty": -1, "min_tokens": 2}
+    fields |= {"repetition_penalty": 1.1, "logit_bias": {"5": -100, "7": 3}}
+    request = CompletionRequest.model_validate(
+        {"prompt": "hi", "stop_token_ids": [9], **fields}
+    )
+    params = SamplingParams(**request.sampling_kwargs(default_max_tokens=4))
+    assert (params.frequency_penalty, params.presence_penalty) == (0.5, -1.0)
+    assert params.repetition_penalty == 1.1 and params.min_tokens == 2
+    assert params.logit_bias == {5: -100.0, 7: 3.0}
+    assert params.stop_token_ids == [9] and params.adjusts_logits
+    assert not SamplingParams(frequency_penalty=0, logit_bias={}).adjusts_logits
+
+
 @pytest.mark.parametrize(
     "model, field, value",
     [
-        (CompletionRequest, "frequency_penalty", 0.5),
-        (CompletionRequest, "presence_penalty", -1),
-        (CompletionRequest, "frequency_penalty", False),
-        (CompletionRequest, "logit_bias", {"5": -100}),
         (CompletionRequest, "best_of", 2),
         (CompletionRequest, "best_of", True),
         (CompletionRequest, "suffix", ""),
@@ -109,7 +119,7 @@ def test_unimplemented_field_is_refused_by_name(model, field, value):
 @pytest.mark.parametrize(
     "body, expected",
     [
-        ({"prompt": "hi", "min_tokens": 3}, "min_tokens: unknown field"),
+        ({"prompt": "hi", "best_of_n": 3}, "best_of_n: unknown field"),
         ({"prompt": "hi", "stream_options": {"x": 1}}, "stream_options.x: unknown"),
         ({"prompt": 12}, "prompt: Input should be a valid string or"),
         ({"prompt": "hi", "stop": 5}, "stop: Input should be a valid string or"),

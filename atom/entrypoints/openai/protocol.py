@@ -30,6 +30,9 @@ from atom.sampling_params import MAX_SEED, SEED_RULE
 TokenId = Annotated[StrictInt, Field(ge=0)]
 # NaN and infinity are refused here: Python's JSON parser accepts `NaN`.
 FiniteFloat = Annotated[StrictFloat, Field(allow_inf_nan=False)]
+FiniteNumber = StrictInt | FiniteFloat
+Penalty = Annotated[FiniteNumber, Field(ge=-2, le=2)]
+Bias = Annotated[FiniteNumber, Field(ge=-100, le=100)]
 # OpenAI's default for /v1/completions when a request names no max_tokens.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
@@ -42,9 +45,6 @@ def random_id(prefix: str) -> str:
 # nothing (served), and how the refusal describes it. Any other value is a 400.
 UNIMPLEMENTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     # `type(v)`, not isinstance: `false` is no number, though False == 0 in Python.
-    "frequency_penalty": (lambda v: type(v) in (int, float) and v == 0, "0"),
-    "presence_penalty": (lambda v: type(v) in (int, float) and v == 0, "0"),
-    "logit_bias": (lambda v: v == {}, "{}"),
     "best_of": (lambda v: type(v) is int and v == 1, "1"),
     "echo": (lambda v: v is False, "false"),
     "suffix": (lambda v: False, "null"),
@@ -127,13 +127,27 @@ class OpenAIRequest(BaseModel):
     n: StrictInt = 1
     # An end-user id for the provider's abuse monitoring; it never changes output.
     user: str | None = None
-    frequency_penalty: Any = None
-    presence_penalty: Any = None
-    logit_bias: Any = None
+    frequency_penalty: Penalty | None = None
+    presence_penalty: Penalty | None = None
+    # vLLM's extensions: > 1 discourages every token of the prompt and the output.
+    repetition_penalty: FiniteNumber | None = Field(default=None, gt=0)
+    # OpenAI sends the token ids as JSON object keys, so as strings.
+    logit_bias: dict[str, Bias] | None = None
+    min_tokens: StrictInt | None = Field(default=None, ge=0)
+    stop_token_ids: list[TokenId] | None = None
 
-    _unimplemented = field_validator(
-        "frequency_penalty", "presence_penalty", "logit_bias"
-    )(refuse_unimplemented)
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_keys_are_token_ids(
+        cls, bias: dict[str, float] | None
+    ) -> dict[str, float] | None:
+        bad = [key for key in bias or {} if not key.isdigit()]
+        if bad:
+            raise ValueError(
+                f"logit_bias keys must be token ids (non-negative integers), got "
+                f"{bad[:5]}"
+            )
+        return bias
 
     @field_validator("n")
     @classmethod
@@ -166,6 +180,16 @@ class OpenAIRequest(BaseModel):
             "top_p": self.top_p,
             "stop": self.stop,
             "seed": self.seed,
+            "frequency_penalty": self.frequency_penalty,
+            "presence_penalty": self.presence_penalty,
+            "repetition_penalty": self.repetition_penalty,
+            "logit_bias": (
+                None
+                if self.logit_bias is None
+                else {int(key): value for key, value in self.logit_bias.items()}
+            ),
+            "min_tokens": self.min_tokens,
+            "stop_token_ids": self.stop_token_ids,
         }
         kwargs.update({k: v for k, v in optional.items() if v is not None})
         return kwargs

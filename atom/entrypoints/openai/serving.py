@@ -305,11 +305,24 @@ class OpenAIServing:
         self, body: OpenAIRequest, default_max_tokens: int
     ) -> SamplingParams:
         try:
-            return SamplingParams(**body.sampling_kwargs(default_max_tokens))
+            params = SamplingParams(**body.sampling_kwargs(default_max_tokens))
         except (ValueError, TypeError) as error:
             # Its messages say `SamplingParams.top_p`; the request calls it `top_p`.
             message = str(error).removeprefix(f"{SamplingParams.__name__}.")
             raise APIError(400, message) from None
+        named = {
+            "logit_bias": params.logit_bias,
+            "stop_token_ids": params.stop_token_ids,
+        }
+        for field, token_ids in named.items():
+            bad = [t for t in token_ids or () if t >= self.engine.vocab_size]
+            if bad:
+                raise APIError(
+                    400,
+                    f"{field}: token ids {bad[:5]} are outside the vocabulary "
+                    f"(size {self.engine.vocab_size})",
+                )
+        return params
 
     def _ids(self, token_ids: list[int]) -> list[int] | None:
         """Token ids for a response: only a server without a tokenizer sends them."""

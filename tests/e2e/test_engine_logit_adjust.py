@@ -1,0 +1,56 @@
+"""Penalties, logit_bias and min_tokens keep DSpark lossless: greedy DSpark output
+equals target-only output with the same settings, on the trained tiny K3 and its
+shipped draft (pp1 x tp1), while the settings do change the output."""
+
+from dataclasses import replace
+
+import pytest
+
+from atom.sampling_params import SamplingParams
+from tests.e2e.pp_probe import (
+    GREEDY,
+    PAIRS,
+    acceptance,
+    corpus_prompts,
+    generate_ids,
+    make_engine,
+)
+
+pytestmark = pytest.mark.usefixtures("single_thread_torch")
+
+
+def test_greedy_dspark_with_penalties_equals_target_only():
+    target, draft = PAIRS["k3"]
+    prompts = corpus_prompts()
+    engine = make_engine(target)
+    plain = generate_ids(engine, prompts)
+    # The token the plain continuations use most is banned, and one is boosted.
+    flat = [t for ids in plain for t in ids]
+    banned = max(set(flat), key=flat.count)
+    boosted = min(set(flat), key=flat.count)
+    eos = engine.scheduler.eos_token_ids
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=GREEDY.max_tokens,
+        frequency_penalty=0.6,
+        presence_penalty=0.3,
+        repetition_penalty=1.2,
+        logit_bias={banned: -100.0, boosted: 1.5},
+        min_tokens=4,
+    )
+    target_only = generate_ids(engine, prompts, params)
+    # A stop token ends the request where it is first emitted, and is kept.
+    stop = plain[0][2]
+    stopped = generate_ids(engine, prompts[:1], replace(GREEDY, stop_token_ids=[stop]))
+    engine.close()
+    assert stopped == [plain[0][: plain[0].index(stop) + 1]]
+    engine = make_engine(target, draft)
+    speculative = generate_ids(engine, prompts, params)
+    accepted = acceptance(engine)
+    engine.close()
+    assert speculative == target_only
+    assert target_only != plain
+    assert all(banned not in ids for ids in target_only)
+    assert all(not eos & set(ids[:4]) for ids in target_only)
+    # Drafts were accepted in blocks, so rows counting earlier drafts were used.
+    assert accepted > 0.1
