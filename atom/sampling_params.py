@@ -11,6 +11,16 @@ MAX_SEED = 2**63 - 1
 SEED_RULE = f"an integer in [0, 2**63 - 1] = [0, {MAX_SEED}]"
 
 
+# Choice i of a seeded request with n > 1 samples with seed_for_choice(seed, i):
+# an odd step (2**63 / golden ratio) keeps the n seeds distinct.
+_CHOICE_SEED_STEP = 0x4F1BBCDCBFA53E0B
+
+
+def seed_for_choice(seed: int, index: int) -> int:
+    """The seed of choice `index` of a request seeded `seed`; choice 0 keeps it."""
+    return (seed + index * _CHOICE_SEED_STEP) % (MAX_SEED + 1)
+
+
 def _is_int(value: object) -> bool:
     # bool is an int subclass, but `top_k=True` is a caller bug, not a value.
     return isinstance(value, int) and not isinstance(value, bool)

@@ -4,6 +4,8 @@ The server runs with a small context (MAX_MODEL_LEN) so that a request that used
 be clamped to it, instead of refused, finishes quickly and fails the test.
 """
 
+import json
+
 import pytest
 from tokenizers import Tokenizer
 
@@ -170,3 +172,36 @@ def test_logit_bias_bans_and_forces_a_token(server):
     forced = tokenizer.encode(" light").ids[0]
     always = completion(logit_bias={str(forced): 100}, temperature=1.0)
     assert always == tokenizer.decode([forced] * 6)
+
+
+def test_n_choices_are_indexed_seeded_and_summed(server):
+    body = {"prompt": ["In the", "And the"], "max_tokens": 5, "temperature": 1.0}
+    body |= {"ignore_eos": True, "seed": 7, "n": 3}
+    first = server.post(COMPLETIONS, body).json()
+    choices = first["choices"]
+    assert [c["index"] for c in choices] == list(range(6))
+    assert first["usage"]["completion_tokens"] == 6 * 5
+    # Choice 0 is the request with n=1; the others have seeds of their own.
+    single = server.post(COMPLETIONS, body | {"prompt": "In the", "n": 1}).json()
+    assert single["choices"][0]["text"] == choices[0]["text"]
+    assert len({c["text"] for c in choices[:3]}) > 1
+    assert server.post(COMPLETIONS, body).json()["choices"] == choices
+
+
+def test_n_choices_stream_with_their_index(server):
+    body = request(CHAT, max_tokens=4, temperature=1.0, seed=3, n=2, ignore_eos=True)
+    whole = server.post(CHAT, body).json()
+    assert whole["usage"]["completion_tokens"] == 8
+    stream = server.post(
+        CHAT, body | {"stream": True, "stream_options": {"include_usage": True}}
+    )
+    frames = [json.loads(f[6:]) for f in stream.text.strip().split("\n\n")[:-1]]
+    *chunks, usage = frames
+    assert usage["usage"]["completion_tokens"] == 8
+    for choice in whole["choices"]:
+        index = choice["index"]
+        mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == index]
+        assert mine[0]["delta"]["role"] == "assistant"
+        text = "".join(c["delta"].get("content", "") for c in mine)
+        assert text == choice["message"]["content"]
+        assert [c["finish_reason"] for c in mine][-1] == "length"

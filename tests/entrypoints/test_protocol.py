@@ -26,7 +26,7 @@ def validation_message(model, body: dict) -> str:
         ({"prompt": "hi", "max_tokens": "many"}, "max_tokens: Input should be a valid"),
         ({"prompt": "hi", "max_completion_tokens": 0}, "max_completion_tokens:"),
         ({"prompt": "hi", "temperature": -0.5}, "temperature: Input should be greater"),
-        ({"prompt": "hi", "n": 2}, "n: n must be 1"),
+        ({"prompt": "hi", "n": 129}, "n: n must be in [1, 128], got 129"),
         ({"prompt": "hi", "stop": 5}, "stop"),
         ({"prompt": "hi", "stream": "sometimes"}, "stream"),
         ({"prompt": 12}, "prompt"),
@@ -198,7 +198,7 @@ def test_chat_without_messages_or_with_images_is_a_value_error():
         ({"messages": "hi"}, "messages: Input should be a valid list"),
         ({"messages": [{"content": "hi"}]}, "messages.0.role: Field required"),
         ({"messages": [], "logprobs": True}, "logprobs is not implemented by atom"),
-        ({"messages": [], "n": 3}, "n must be 1"),
+        ({"messages": [], "n": 0}, "n must be in [1, 128]"),
     ],
 )
 def test_chat_request_errors_name_the_field(body, expected):

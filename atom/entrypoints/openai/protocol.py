@@ -33,6 +33,8 @@ FiniteFloat = Annotated[StrictFloat, Field(allow_inf_nan=False)]
 FiniteNumber = StrictInt | FiniteFloat
 Penalty = Annotated[FiniteNumber, Field(ge=-2, le=2)]
 Bias = Annotated[FiniteNumber, Field(ge=-100, le=100)]
+# The most choices one request may ask for (n, or best_of, times its prompts).
+MAX_CHOICES = 128
 # OpenAI's default for /v1/completions when a request names no max_tokens.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
@@ -151,9 +153,9 @@ class OpenAIRequest(BaseModel):
 
     @field_validator("n")
     @classmethod
-    def _single_choice(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError(f"n must be 1 (atom returns one choice), got {n}")
+    def _choice_count(cls, n: int) -> int:
+        if not 1 <= n <= MAX_CHOICES:
+            raise ValueError(f"n must be in [1, {MAX_CHOICES}], got {n}")
         return n
 
     @field_validator("seed")

@@ -16,9 +16,11 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from atom.entrypoints.openai.async_engine import AsyncEngine, EngineDeadError
+from atom.entrypoints.openai.choices import merged, params_per_choice
 from atom.entrypoints.openai.metrics import ServerMetrics
 from atom.entrypoints.openai.protocol import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
+    MAX_CHOICES,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -158,10 +160,19 @@ class OpenAIServing:
         for prompt in prompts:
             self._check_token_ids(prompt)
             self._check_text_size(prompt, params.max_tokens)
+        if len(prompts) * body.n > MAX_CHOICES:
+            raise APIError(
+                400,
+                f"n: {len(prompts)} prompts x n={body.n} choices exceed "
+                f"{MAX_CHOICES} choices per request",
+            )
+        per_choice = params_per_choice(params, body.n)
         request_id = random_id("cmpl")
         if not body.stream:
+            # Choice index = prompt index x n + choice, as in the OpenAI API.
+            jobs = [(prompt, choice) for prompt in prompts for choice in per_choice]
             outputs = await unless_disconnected(
-                request, self._run_all(prompts, params, request_id)
+                request, self._run_all(jobs, request_id)
             )
             choices = [
                 CompletionChoice(
@@ -182,9 +193,11 @@ class OpenAIServing:
         if len(prompts) != 1:
             raise APIError(400, "prompt: streaming accepts a single prompt")
 
-        def chunk(output: Any, finish_reason: str | None) -> CompletionResponse:
+        def chunk(
+            index: int, output: Any, finish_reason: str | None
+        ) -> CompletionResponse:
             choice = CompletionChoice(
-                index=0,
+                index=index,
                 text=output.new_text,
                 token_ids=self._ids(output.new_token_ids),
                 finish_reason=finish_reason,
@@ -199,7 +212,7 @@ class OpenAIServing:
             )
 
         return await self._stream(
-            request, body, prompts[0], params, request_id, [], chunk, usage_chunk
+            request, body, prompts[0], per_choice, request_id, [], chunk, usage_chunk
         )
 
     async def chat_completions(self, request: Request):
@@ -231,28 +244,35 @@ class OpenAIServing:
         # At least 1, so that a prompt with no room left gets the engine's message.
         default_max_tokens = max(1, min(CHAT_DEFAULT_MAX_TOKENS, room))
         params = self._sampling_params(body, default_max_tokens)
+        per_choice = params_per_choice(params, body.n)
         request_id = random_id("chatcmpl")
         if not body.stream:
-            (output,) = await unless_disconnected(
-                request, self._run_all([prompt], params, request_id)
+            outputs = await unless_disconnected(
+                request,
+                self._run_all([(prompt, choice) for choice in per_choice], request_id),
             )
-            choice = ChatChoice(
-                index=0,
-                message=ChatResponseMessage(content=output.text),
-                finish_reason=output.finish_reason,
-            )
+            choices = [
+                ChatChoice(
+                    index=i,
+                    message=ChatResponseMessage(content=output.text),
+                    finish_reason=output.finish_reason,
+                )
+                for i, output in enumerate(outputs)
+            ]
             response = ChatCompletionResponse(
                 id=request_id,
                 model=self.served_model_name,
-                choices=[choice],
-                usage=self._usage([output]),
+                choices=choices,
+                usage=self._usage(outputs),
             )
             return JSONResponse(response.model_dump())
 
-        def chunk(output: Any, finish_reason: str | None) -> ChatCompletionChunk:
+        def chunk(
+            index: int, output: Any, finish_reason: str | None
+        ) -> ChatCompletionChunk:
             text = output.new_text
             choice = ChatChunkChoice(
-                index=0,
+                index=index,
                 delta={"content": text} if text else {},
                 finish_reason=finish_reason,
             )
@@ -265,14 +285,18 @@ class OpenAIServing:
                 id=request_id, model=self.served_model_name, choices=[], usage=usage
             )
 
-        role = ChatChunkChoice(index=0, delta={"role": "assistant", "content": ""})
         opening = [
             ChatCompletionChunk(
-                id=request_id, model=self.served_model_name, choices=[role]
+                id=request_id,
+                model=self.served_model_name,
+                choices=[
+                    ChatChunkChoice(index=i, delta={"role": "assistant", "content": ""})
+                ],
             )
+            for i in range(body.n)
         ]
         return await self._stream(
-            request, body, prompt, params, request_id, opening, chunk, usage_chunk
+            request, body, prompt, per_choice, request_id, opening, chunk, usage_chunk
         )
 
     # ---- helpers ----
@@ -368,19 +392,21 @@ class OpenAIServing:
             )
 
     async def _run_all(
-        self, prompts: list[str | list[int]], params: SamplingParams, request_id: str
+        self, jobs: list[tuple[str | list[int], SamplingParams]], request_id: str
     ) -> list[Any]:
-        """Final outputs of all prompts, run concurrently; one failure cancels all."""
+        """Final outputs of all (prompt, params) jobs, run concurrently; one failure
+        cancels all."""
 
-        async def final_output(index: int, prompt: str | list[int]) -> Any:
+        async def final_output(index: int, prompt: str | list[int], params) -> Any:
             final = None
-            suffix = f"-{index}" if len(prompts) > 1 else ""
+            suffix = f"-{index}" if len(jobs) > 1 else ""
             async for output in self._generate(prompt, params, request_id + suffix):
                 final = output
             return final
 
         tasks = [
-            asyncio.ensure_future(final_output(i, p)) for i, p in enumerate(prompts)
+            asyncio.ensure_future(final_output(i, prompt, params))
+            for i, (prompt, params) in enumerate(jobs)
         ]
         try:
             return await asyncio.gather(*tasks)
@@ -402,44 +428,55 @@ class OpenAIServing:
         request: Request,
         body: OpenAIRequest,
         prompt: str | list[int],
-        params: SamplingParams,
+        per_choice: list[SamplingParams],
         request_id: str,
         opening: list[BaseModel],
-        chunk: Callable[[Any, str | None], BaseModel],
+        chunk: Callable[[int, Any, str | None], BaseModel],
         usage_chunk: Callable[[UsageInfo], BaseModel],
     ) -> StreamingResponse:
-        outputs = self._generate(prompt, params, request_id)
+        """One SSE stream of every choice's chunks, each naming its choice index;
+        the usage chunk (summed over the choices) and [DONE] follow the last."""
+        several = len(per_choice) > 1
+        streams = [
+            self._generate(prompt, params, request_id + (f"-{i}" if several else ""))
+            for i, params in enumerate(per_choice)
+        ]
         try:
-            # Waiting for the first output means a rejected prompt still gets a
+            # Waiting for the first outputs means a rejected prompt still gets a
             # proper 4xx status instead of an error inside a 200 stream.
-            first = await unless_disconnected(request, anext(outputs))
+            firsts = await unless_disconnected(
+                request, asyncio.gather(*(anext(s) for s in streams))
+            )
         except Exception as error:
+            for stream in streams:
+                await stream.aclose()
             raise error_for(error) from None
         include_usage = body.include_usage_in_stream()
 
         async def frames() -> AsyncIterator[str]:
             pending = "".join(sse_frame(c) for c in opening)
-            output = first
+            finals: dict[int, Any] = {}
             try:
-                while True:
+                async for index, output in merged(streams, firsts):
                     if output.finished:
-                        final = pending + sse_frame(chunk(output, output.finish_reason))
+                        finals[index] = output
+                        pending += sse_frame(chunk(index, output, output.finish_reason))
+                        if len(finals) < len(streams):
+                            continue
                         if include_usage:
-                            final += sse_frame(usage_chunk(self._usage([output])))
-                        yield final + SSE_DONE
+                            usage = self._usage(list(finals.values()))
+                            pending += sse_frame(usage_chunk(usage))
+                        yield pending + SSE_DONE
                         return
                     if output.new_text or self._ids(output.new_token_ids):
-                        yield pending + sse_frame(chunk(output, None))
+                        yield pending + sse_frame(chunk(index, output, None))
                         pending = ""
-                    output = await anext(outputs)
             except Exception as error:
                 failure = error_for(error)
                 info = ErrorInfo(
                     message=failure.message, type=failure.kind, code=failure.status
                 )
                 yield sse_frame(ErrorResponse(error=info)) + SSE_DONE
-            finally:
-                await outputs.aclose()
 
         return StreamingResponse(
             frames(),

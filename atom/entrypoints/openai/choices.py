@@ -1,0 +1,50 @@
+"""Several choices per request (`n`): each is an engine request of its own.
+
+The engine runs one sequence per request; a request with n choices becomes n
+engine requests over the same prompt (the prefix cache shares its blocks), choice
+i seeded with `seed_for_choice(seed, i)` when the request names a seed, so the
+choices are independent and each is reproducible.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import replace
+from typing import Any
+
+from atom.sampling_params import SamplingParams, seed_for_choice
+
+
+def params_per_choice(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """The SamplingParams of each of n choices (choice 0 keeps `params`)."""
+    if params.seed is None:
+        return [params] * n
+    return [replace(params, seed=seed_for_choice(params.seed, i)) for i in range(n)]
+
+
+async def merged(
+    streams: list[AsyncGenerator[Any, None]], firsts: list[Any]
+) -> AsyncIterator[tuple[int, Any]]:
+    """(choice index, output) as the choices' outputs arrive, starting with the
+    first output of each (already awaited); a stream ends with its finished
+    output. Closes every stream when done or abandoned."""
+    pending: dict[asyncio.Future, int] = {}
+    try:
+        for index, first in enumerate(firsts):
+            yield index, first
+            if not first.finished:
+                pending[asyncio.ensure_future(anext(streams[index]))] = index
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=pending.__getitem__):
+                index = pending.pop(task)
+                output = task.result()
+                yield index, output
+                if not output.finished:
+                    pending[asyncio.ensure_future(anext(streams[index]))] = index
+    finally:
+        for task in pending:
+            task.cancel()
+        for stream in streams:
+            await stream.aclose()
