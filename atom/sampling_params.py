@@ -5,6 +5,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+# The most alternatives per position a request may ask for (OpenAI's limit).
+MAX_TOP_LOGPROBS = 20
+
 # Seeds are signed 64-bit integers in the sampler; negative ones are refused too, so
 # that one rule holds everywhere: an integer in [0, 2**63 - 1].
 MAX_SEED = 2**63 - 1
@@ -52,6 +55,9 @@ class SamplingParams:
     min_tokens: int = 0
     # Tokens that end the request like EOS (the token is kept in the output ids).
     stop_token_ids: list[int] | None = None
+    # Report each output token's log-probability (atom/model_ops/logprobs.py says
+    # which distribution) with this many likeliest alternatives; None = off.
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not _is_number(self.temperature) or not math.isfinite(self.temperature):
@@ -106,6 +112,13 @@ class SamplingParams:
         if self.n != 1:
             raise ValueError(f"SamplingParams.n: only n=1 is supported, got {self.n!r}")
         self._check_logit_adjustments()
+        if self.logprobs is not None and (
+            not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS
+        ):
+            raise ValueError(
+                f"SamplingParams.logprobs must be None or an int in "
+                f"[0, {MAX_TOP_LOGPROBS}], got {self.logprobs!r}"
+            )
 
     def _check_stop(self) -> None:
         stops = [self.stop] if isinstance(self.stop, str) else self.stop

@@ -49,6 +49,9 @@ class SeqWork:
     seed: int | None = None
     # Only for sampled sequences whose request adjusts its logits.
     logit_adjust: LogitAdjustWork | None = None
+    # Log-probabilities wanted for the emitted tokens: how many top alternatives
+    # (0 = the emitted token's only); None = none.
+    logprobs: int | None = None
     # Copy the KDA state of this checkpoint slot into state_slot BEFORE the forward.
     state_fork_src: int | None = None
     # Copy the KDA state of state_slot into this checkpoint slot AFTER the forward.
@@ -88,6 +91,17 @@ class ScheduledBatch:
 
 
 @dataclass
+class TokenLogprob:
+    """A token's log-probability under the target, and the likeliest tokens there."""
+
+    token_id: int
+    logprob: float
+    # (token id, logprob) of the most likely tokens at this position, likeliest
+    # first; as many as the request asked for.
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
 class TokenChoice:
     """What the last stage decided for one sampled sequence in one step."""
 
@@ -97,6 +111,8 @@ class TokenChoice:
     num_accepted: int
     # The drafts this sequence verifies next ([] without speculation).
     draft_token_ids: list[int]
+    # One per token of token_ids when the request asked for logprobs.
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass

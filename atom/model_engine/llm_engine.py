@@ -241,6 +241,8 @@ class LLMEngine:
             {
                 "text": done[r].text,
                 "token_ids": done[r].output_token_ids,
+                # TokenLogprob per output token with SamplingParams.logprobs, else None.
+                "logprobs": done[r].logprobs,
                 "finish_reason": done[r].finish_reason,
                 "num_tokens_input": len(done[r].prompt_token_ids),
                 "num_tokens_output": len(done[r].output_token_ids),

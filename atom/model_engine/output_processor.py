@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from atom.model_engine.batch import TokenLogprob
 from atom.model_engine.sequence import Sequence
 
 
@@ -24,6 +25,9 @@ class RequestOutput:
     error: str | None = None
     # Seconds the request waited to be scheduled (Sequence.queue_time).
     queue_time: float | None = None
+    # With SamplingParams.logprobs: one per output token, and those of new_token_ids.
+    logprobs: list[TokenLogprob] | None = None
+    new_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -100,6 +104,9 @@ class OutputProcessor:
         seq = state.seq
         outputs = seq.output_token_ids
         new_ids = outputs[state.num_tokens_seen :]
+        wants_logprobs = seq.sampling_params.logprobs is not None
+        logprobs = list(seq.output_logprobs) if wants_logprobs else None
+        new_logprobs = logprobs[state.num_tokens_seen :] if wants_logprobs else None
         state.num_tokens_seen = len(outputs)
         text = state.text
         if self.tokenizer is not None:
@@ -122,6 +129,8 @@ class OutputProcessor:
             finished=finished,
             finish_reason="stop" if hit else seq.finish_reason,
             queue_time=seq.queue_time,
+            logprobs=logprobs,
+            new_logprobs=new_logprobs,
         )
         if finished:
             self.drop(request_id)

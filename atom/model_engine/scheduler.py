@@ -320,6 +320,7 @@ class Scheduler:
             logit_adjust=(
                 self._logit_adjust(seq) if samples and sp.adjusts_logits else None
             ),
+            logprobs=sp.logprobs if samples else None,
             **rows,
         )
 
@@ -375,7 +376,10 @@ class Scheduler:
             reason = seq.append_tokens(
                 choice.token_ids, self.eos_token_ids, self.limits.max_model_len
             )
-            self.num_generation_tokens += seq.num_tokens - num_before
+            appended = seq.num_tokens - num_before
+            self.num_generation_tokens += appended
+            if choice.logprobs is not None:
+                seq.output_logprobs.extend(choice.logprobs[:appended])
             if reason is not None:
                 self._finish(seq, reason)
                 finished.append(seq)

@@ -7,6 +7,7 @@ import itertools
 import time
 from enum import Enum, auto
 
+from atom.model_engine.batch import TokenLogprob
 from atom.sampling_params import SamplingParams
 
 
@@ -68,6 +69,8 @@ class Sequence:
         # Prefix hit on a hybrid model: checkpoint to copy into state_slot first.
         self.state_fork_src: int | None = None
         self.spec_token_ids: list[int] = []
+        # One per output token when the request asks for logprobs.
+        self.output_logprobs: list[TokenLogprob] = []
         # The batch whose output this sequence waits for (None when none).
         self.in_flight_batch_id: int | None = None
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from atom.model_engine.batch import TokenChoice
+from atom.model_engine.batch import TokenChoice, TokenLogprob
 from atom.model_ops.rejection_sampler import verify_drafts
 from atom.model_ops.sampler import sample_tokens
 from atom.model_ops.sampling_metadata import SamplingMetadata
@@ -51,25 +51,26 @@ class StepSampler:
         spec = sampling.spec
         if spec is None:
             raise ValueError("the step's SamplingMetadata carries no spec metadata")
-        adjust = sampling.adjust
+        # [S, W, V]: row j of sequence s predicts the token after its draft j.
+        scored = logits.unsqueeze(1) if spec.max_drafts == 0 else logits[spec.row_index]
+        if sampling.adjust is not None:
+            # One adjustment for sampling and verification, each verify row
+            # counting the drafts before it: lossless speculation with penalties.
+            scored = sampling.adjust.apply(scored, spec.draft_ids, spec.num_drafts)
         if spec.max_drafts == 0:
-            if adjust is not None:
-                logits = adjust.apply(logits.unsqueeze(1)).squeeze(1)
-            emitted = sample_tokens(logits, sampling).unsqueeze(1)
+            emitted = sample_tokens(scored[:, 0], sampling).unsqueeze(1)
             accepted = torch.zeros_like(emitted[:, 0])
         else:
-            verified = logits[spec.row_index]
-            if adjust is not None:
-                # The same adjustment as plain sampling, each row counting the
-                # drafts before it: lossless speculation with penalties on.
-                verified = adjust.apply(verified, spec.draft_ids, spec.num_drafts)
             emitted, accepted = verify_drafts(
-                verified,
+                scored,
                 spec.draft_ids,
                 spec.num_drafts,
                 self._probs_of_verified_drafts(sampling, logits),
                 sampling,
             )
+        logprobs = None
+        if sampling.logprobs is not None:
+            logprobs = sampling.logprobs.compute(scored, emitted)
         drafts = None
         if self.drafter is not None:
             # The last emitted token anchors the next block; it sits accepted
@@ -79,7 +80,7 @@ class StepSampler:
                 anchors, sampling.positions + accepted, spec.block_tables, sampling
             )
             self.store_draft_probs(sampling, drafts)
-        return self._to_host(sampling, emitted, accepted, drafts)
+        return self._to_host(sampling, emitted, accepted, drafts, logprobs)
 
     def store_draft_probs(
         self, sampling: SamplingMetadata, drafts: DraftOutput
@@ -128,14 +129,33 @@ class StepSampler:
         emitted: torch.Tensor,
         accepted: torch.Tensor,
         drafts: DraftOutput | None,
+        logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
     ) -> list[TokenChoice]:
         parts = [accepted.unsqueeze(1), emitted]
         if drafts is not None:
             parts.append(drafts.ids)
-        # The step's one device-to-host copy.
+        # The step's one device-to-host copy (two more only for logprobs).
         rows = torch.cat(parts, dim=1).tolist()
         width = emitted.shape[1]
-        return [
+        choices = [
             TokenChoice(seq_id, row[1 : 2 + row[0]], row[0], row[1 + width :])
             for seq_id, row in zip(sampling.seq_ids, rows)
         ]
+        if logprobs is not None:
+            chosen, top_values, top_ids = logprobs
+            values = torch.cat([chosen.unsqueeze(2), top_values], dim=2).tolist()
+            ids = top_ids.tolist()
+            wanted = sampling.logprobs
+            for p, (row, num_top) in enumerate(
+                zip(wanted.rows_host, wanted.num_top_host)
+            ):
+                choice = choices[row]
+                choice.logprobs = [
+                    TokenLogprob(
+                        token,
+                        values[p][j][0],
+                        list(zip(ids[p][j][:num_top], values[p][j][1 : 1 + num_top])),
+                    )
+                    for j, token in enumerate(choice.token_ids)
+                ]
+        return choices

@@ -17,6 +17,7 @@ import torch
 
 from atom.model_ops.host_copy import host_to_device
 from atom.model_ops.logit_adjust import LogitAdjustments
+from atom.model_ops.logprobs import LogprobRequest
 
 if TYPE_CHECKING:
     from atom.model_engine.batch import LogitAdjustWork, SeqWork
@@ -90,6 +91,8 @@ class SamplingMetadata:
     # Penalties, bias and min_tokens of the rows that ask for them; None when no
     # row does (the step skips the adjustment).
     adjust: LogitAdjustments | None = None
+    # The rows whose emitted tokens' logprobs are reported; None when none.
+    logprobs: LogprobRequest | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -112,11 +115,13 @@ class SamplingMetadata:
         logit_rows: Sequence[int] | None = None,
         spec: SpecDecodeMetadata | None = None,
         logit_adjusts: Sequence[LogitAdjustWork | None] | None = None,
+        logprobs: Sequence[int | None] | None = None,
     ) -> SamplingMetadata:
         """From host values, one per sequence (a scalar applies to all).
 
         A greedy row may have seed None; a sampled row needs an int seed.
-        `logit_adjusts` holds one LogitAdjustWork or None per sequence.
+        `logit_adjusts` holds one LogitAdjustWork or None per sequence, `logprobs`
+        the top count each sequence wants reported (None: no logprobs).
         """
         num_seqs = len(temperatures)
         temps = [float(t) for t in temperatures]
@@ -160,6 +165,7 @@ class SamplingMetadata:
             ),
             spec=spec,
             adjust=LogitAdjustments.build(logit_adjusts or [], device),
+            logprobs=LogprobRequest.build(logprobs or [], device),
         )
 
     @classmethod
@@ -200,4 +206,5 @@ class SamplingMetadata:
             logit_rows=logit_rows,
             spec=spec,
             logit_adjusts=[w.logit_adjust for w in sampled],
+            logprobs=[w.logprobs for w in sampled],
         )

@@ -54,3 +54,24 @@ def test_greedy_dspark_with_penalties_equals_target_only():
     assert all(not eos & set(ids[:4]) for ids in target_only)
     # Drafts were accepted in blocks, so rows counting earlier drafts were used.
     assert accepted > 0.1
+
+
+def test_logprobs_under_dspark_equal_target_only():
+    """The verified tokens' logprobs are the target's: the same as target-only
+    decoding (penalties on), greedy tokens are the top-1 alternative."""
+    target, draft = PAIRS["k3"]
+    prompts = corpus_prompts()[:2]
+    params = replace(GREEDY, logprobs=3, frequency_penalty=0.5)
+    results = []
+    for pair in ((target,), (target, draft)):
+        engine = make_engine(*pair)
+        results.append(engine.generate(prompts, params))
+        engine.close()
+    for alone, speculative in zip(*results):
+        assert speculative["token_ids"] == alone["token_ids"]
+        assert [lp.token_id for lp in alone["logprobs"]] == alone["token_ids"]
+        for a, s in zip(alone["logprobs"], speculative["logprobs"]):
+            assert s.logprob == pytest.approx(a.logprob, abs=1e-4)
+            assert [i for i, _ in s.top] == [i for i, _ in a.top]
+            assert len(a.top) == 3 and a.top[0] == (a.token_id, a.logprob)
+            assert a.logprob <= 0

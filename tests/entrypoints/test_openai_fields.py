@@ -95,11 +95,11 @@ REFUSED = [
     (COMPLETIONS, "stop_token_ids", 3),  # not a list
     (COMPLETIONS, "best_of", 2),
     (COMPLETIONS, "suffix", " the end"),
-    (COMPLETIONS, "logprobs", 0),
-    (COMPLETIONS, "logprobs", 5),
+    (COMPLETIONS, "logprobs", 21),
+    (COMPLETIONS, "logprobs", True),
     (COMPLETIONS, "echo", True),
-    (CHAT, "logprobs", True),
-    (CHAT, "top_logprobs", 2),
+    (CHAT, "logprobs", 1),
+    (CHAT, "top_logprobs", 2),  # without logprobs: true
     (CHAT, "tools", [{"type": "function", "function": {"name": "f"}}]),
     (CHAT, "tool_choice", "auto"),
     (CHAT, "response_format", {"type": "json_object"}),
@@ -205,3 +205,31 @@ def test_n_choices_stream_with_their_index(server):
         text = "".join(c["delta"].get("content", "") for c in mine)
         assert text == choice["message"]["content"]
         assert [c["finish_reason"] for c in mine][-1] == "length"
+
+
+def test_logprobs_in_the_openai_shapes(server):
+    """Completions: parallel lists with top-k dicts; chat: content entries; a
+    stream carries each chunk's tokens. Greedy tokens are their top-1."""
+    body = {"prompt": "And God said", "max_tokens": 5, "temperature": 0}
+    body |= {"ignore_eos": True, "logprobs": 2}
+    choice = server.post(COMPLETIONS, body).json()["choices"][0]
+    shaped = choice["logprobs"]
+    assert "".join(shaped["tokens"]) == choice["text"]
+    assert len(shaped["token_logprobs"]) == 5 and shaped["text_offset"][0] == 0
+    for token, logprob, top in zip(
+        shaped["tokens"], shaped["token_logprobs"], shaped["top_logprobs"]
+    ):
+        assert logprob <= 0 and len(top) == 2 and top[token] == logprob
+        assert max(top.values()) == logprob
+    stream = server.post(COMPLETIONS, body | {"stream": True}).text
+    frames = [json.loads(f[6:]) for f in stream.strip().split("\n\n")[:-1]]
+    streamed = [
+        lp for f in frames for lp in f["choices"][0]["logprobs"]["token_logprobs"]
+    ]
+    assert streamed == pytest.approx(shaped["token_logprobs"])
+    chat = request(CHAT, logprobs=True, top_logprobs=3, temperature=0)
+    content = server.post(CHAT, chat).json()["choices"][0]["logprobs"]["content"]
+    assert len(content) == 2 and len(content[0]["top_logprobs"]) == 3
+    first = content[0]
+    assert first["top_logprobs"][0]["logprob"] == first["logprob"] <= 0
+    assert bytes(first["bytes"]).decode() == first["token"]

@@ -34,8 +34,10 @@ def validation_message(model, body: dict) -> str:
         ({"prompt": []}, "prompt must not be an empty list"),
         ({"max_tokens": 4}, "prompt: Field required"),
         ({"prompt": "hi", "echo": True}, "echo is not implemented by atom"),
-        ({"prompt": "hi", "logprobs": 5}, "logprobs is not implemented by atom"),
-        ({"prompt": "hi", "logprobs": 0}, "logprobs is not implemented by atom"),
+        (
+            {"prompt": "hi", "logprobs": 21},
+            "logprobs: Input should be less than or equal to 20",
+        ),
         ({"prompt": "hi", "max_tokens": "5"}, "max_tokens: Input should be a valid"),
         ({"prompt": "hi", "max_tokens": True}, "max_tokens: Input should be a valid"),
         ({"prompt": "hi", "n": True}, "n: Input should be a valid integer"),
@@ -107,7 +109,6 @@ def test_penalties_bias_and_token_stops_fill_params():
         (ChatCompletionRequest, "tools", []),
         (ChatCompletionRequest, "tool_choice", "auto"),
         (ChatCompletionRequest, "response_format", {"type": "json_object"}),
-        (ChatCompletionRequest, "top_logprobs", 0),
         (ChatCompletionRequest, "reasoning_effort", "low"),
     ],
 )
@@ -197,7 +198,7 @@ def test_chat_without_messages_or_with_images_is_a_value_error():
     [
         ({"messages": "hi"}, "messages: Input should be a valid list"),
         ({"messages": [{"content": "hi"}]}, "messages.0.role: Field required"),
-        ({"messages": [], "logprobs": True}, "logprobs is not implemented by atom"),
+        ({"messages": [], "top_logprobs": 1}, "top_logprobs needs logprobs: true"),
         ({"messages": [], "n": 0}, "n must be in [1, 128]"),
     ],
 )

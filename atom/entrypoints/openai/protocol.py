@@ -25,7 +25,7 @@ from pydantic import (
     model_validator,
 )
 
-from atom.sampling_params import MAX_SEED, SEED_RULE
+from atom.sampling_params import MAX_SEED, MAX_TOP_LOGPROBS, SEED_RULE
 
 TokenId = Annotated[StrictInt, Field(ge=0)]
 # NaN and infinity are refused here: Python's JSON parser accepts `NaN`.
@@ -33,6 +33,7 @@ FiniteFloat = Annotated[StrictFloat, Field(allow_inf_nan=False)]
 FiniteNumber = StrictInt | FiniteFloat
 Penalty = Annotated[FiniteNumber, Field(ge=-2, le=2)]
 Bias = Annotated[FiniteNumber, Field(ge=-100, le=100)]
+TopCount = Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)]
 # The most choices one request may ask for (n, or best_of, times its prompts).
 MAX_CHOICES = 128
 # OpenAI's default for /v1/completions when a request names no max_tokens.
@@ -50,8 +51,6 @@ UNIMPLEMENTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "best_of": (lambda v: type(v) is int and v == 1, "1"),
     "echo": (lambda v: v is False, "false"),
     "suffix": (lambda v: False, "null"),
-    "logprobs": (lambda v: v is False, "null (chat: false)"),
-    "top_logprobs": (lambda v: False, "null"),
     "tools": (lambda v: False, "null"),
     "tool_choice": (lambda v: False, "null"),
     "functions": (lambda v: False, "null"),
@@ -165,6 +164,10 @@ class OpenAIRequest(BaseModel):
             raise ValueError(f"seed must be {SEED_RULE}, got {seed}")
         return seed
 
+    def logprobs_wanted(self) -> int | None:
+        """SamplingParams.logprobs: the top count, or None for no logprobs."""
+        return None
+
     def include_usage_in_stream(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
@@ -192,6 +195,7 @@ class OpenAIRequest(BaseModel):
             ),
             "min_tokens": self.min_tokens,
             "stop_token_ids": self.stop_token_ids,
+            "logprobs": self.logprobs_wanted(),
         }
         kwargs.update({k: v for k, v in optional.items() if v is not None})
         return kwargs
@@ -201,13 +205,17 @@ class CompletionRequest(OpenAIRequest):
     # A batch (list of strings or of token-id lists) yields one choice per prompt.
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
     echo: Any = None
-    logprobs: Any = None
+    # The number of likeliest alternatives per token (0: the token's own only).
+    logprobs: TopCount | None = None
     best_of: Any = None
     suffix: Any = None
 
-    _unimplemented_here = field_validator("echo", "logprobs", "best_of", "suffix")(
+    _unimplemented_here = field_validator("echo", "best_of", "suffix")(
         refuse_unimplemented
     )
+
+    def logprobs_wanted(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt")
     @classmethod
@@ -268,8 +276,8 @@ class ChatCompletionRequest(OpenAIRequest):
     messages: list[ChatMessage] | None = None
     prompt: str | None = None  # accepted as an alias for a single user message
     chat_template_kwargs: dict[str, Any] | None = None
-    logprobs: Any = None
-    top_logprobs: Any = None
+    logprobs: StrictBool = False
+    top_logprobs: TopCount | None = None
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None
@@ -278,8 +286,6 @@ class ChatCompletionRequest(OpenAIRequest):
     reasoning_effort: Any = None
 
     _unimplemented_here = field_validator(
-        "logprobs",
-        "top_logprobs",
         "tools",
         "tool_choice",
         "functions",
@@ -287,6 +293,18 @@ class ChatCompletionRequest(OpenAIRequest):
         "response_format",
         "reasoning_effort",
     )(refuse_unimplemented)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_needs_logprobs(
+        cls, top: int | None, info: ValidationInfo
+    ) -> int | None:
+        if top is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true")
+        return top
+
+    def logprobs_wanted(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def chat_messages(self) -> list[dict[str, str]]:
         """Messages as plain role/content dicts for a chat template."""
@@ -311,13 +329,23 @@ class UsageInfo(BaseModel):
         )
 
 
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy shape: parallel lists, one entry per token."""
+
+    tokens: list[str] = Field(default_factory=list)
+    # None for a prompt's first token, which nothing predicts.
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     # The generated ids (in a stream: this chunk's); set when the server runs
     # without a tokenizer (--skip-tokenizer-init), whose text is always empty.
     token_ids: list[int] | None = None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -335,10 +363,24 @@ class ChatResponseMessage(BaseModel):
     content: str
 
 
+class ChatTopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(ChatTopLogprob):
+    top_logprobs: list[ChatTopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob]
+
+
 class ChatChoice(BaseModel):
     index: int
     message: ChatResponseMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -354,7 +396,7 @@ class ChatCompletionResponse(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int
     delta: dict[str, str]  # only the keys that changed: role first, then content
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 

@@ -17,6 +17,11 @@ from pydantic import BaseModel, ValidationError
 
 from atom.entrypoints.openai.async_engine import AsyncEngine, EngineDeadError
 from atom.entrypoints.openai.choices import merged, params_per_choice
+from atom.entrypoints.openai.logprob_format import (
+    chat_logprobs,
+    completion_logprobs,
+    token_texts,
+)
 from atom.entrypoints.openai.metrics import ServerMetrics
 from atom.entrypoints.openai.protocol import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
@@ -26,8 +31,10 @@ from atom.entrypoints.openai.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
+    ChatLogprobs,
     ChatResponseMessage,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     ErrorInfo,
@@ -37,6 +44,7 @@ from atom.entrypoints.openai.protocol import (
     format_validation_error,
     random_id,
 )
+from atom.model_engine.batch import TokenLogprob
 from atom.sampling_params import SamplingParams
 from atom.utils.arithmetic import ceil_div
 from atom.utils.tokenizer import apply_chat_template, max_bytes_per_token
@@ -150,6 +158,7 @@ class OpenAIServing:
         self.default_chat_template_kwargs = default_chat_template_kwargs or {}
         # None: this tokenizer gives no bound, and text is judged once tokenized.
         self.max_bytes_per_token = max_bytes_per_token(engine.tokenizer)
+        self.text_of = token_texts(engine.tokenizer)
 
     # ---- endpoints ----
 
@@ -179,6 +188,7 @@ class OpenAIServing:
                     index=i,
                     text=o.text,
                     token_ids=self._ids(o.output_token_ids),
+                    logprobs=self._completion_logprobs(o.logprobs, o.output_token_ids),
                     finish_reason=o.finish_reason,
                 )
                 for i, o in enumerate(outputs)
@@ -200,6 +210,11 @@ class OpenAIServing:
                 index=index,
                 text=output.new_text,
                 token_ids=self._ids(output.new_token_ids),
+                logprobs=self._completion_logprobs(
+                    output.new_logprobs,
+                    output.new_token_ids,
+                    len(output.text) - len(output.new_text),
+                ),
                 finish_reason=finish_reason,
             )
             return CompletionResponse(
@@ -255,6 +270,7 @@ class OpenAIServing:
                 ChatChoice(
                     index=i,
                     message=ChatResponseMessage(content=output.text),
+                    logprobs=self._chat_logprobs(output.logprobs),
                     finish_reason=output.finish_reason,
                 )
                 for i, output in enumerate(outputs)
@@ -274,6 +290,7 @@ class OpenAIServing:
             choice = ChatChunkChoice(
                 index=index,
                 delta={"content": text} if text else {},
+                logprobs=self._chat_logprobs(output.new_logprobs),
                 finish_reason=finish_reason,
             )
             return ChatCompletionChunk(
@@ -347,6 +364,21 @@ class OpenAIServing:
                     f"(size {self.engine.vocab_size})",
                 )
         return params
+
+    def _completion_logprobs(
+        self,
+        logprobs: list[TokenLogprob] | None,
+        token_ids: list[int],
+        text_offset: int = 0,
+    ) -> CompletionLogprobs | None:
+        if logprobs is None:
+            return None
+        return completion_logprobs(logprobs, token_ids, self.text_of, text_offset)
+
+    def _chat_logprobs(
+        self, logprobs: list[TokenLogprob] | None
+    ) -> ChatLogprobs | None:
+        return None if logprobs is None else chat_logprobs(logprobs, self.text_of)
 
     def _ids(self, token_ids: list[int]) -> list[int] | None:
         """Token ids for a response: only a server without a tokenizer sends them."""
@@ -468,7 +500,11 @@ class OpenAIServing:
                             pending += sse_frame(usage_chunk(usage))
                         yield pending + SSE_DONE
                         return
-                    if output.new_text or self._ids(output.new_token_ids):
+                    if (
+                        output.new_text
+                        or self._ids(output.new_token_ids)
+                        or output.new_logprobs
+                    ):
                         yield pending + sse_frame(chunk(index, output, None))
                         pending = ""
             except Exception as error:
