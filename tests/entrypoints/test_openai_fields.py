@@ -93,7 +93,8 @@ REFUSED = [
     (COMPLETIONS, "min_tokens", -1),
     (CHAT, "repetition_penalty", 0),
     (COMPLETIONS, "stop_token_ids", 3),  # not a list
-    (COMPLETIONS, "best_of", 2),
+    (COMPLETIONS, "best_of", 0),
+    (COMPLETIONS, "best_of", 129),
     (COMPLETIONS, "suffix", " the end"),
     (COMPLETIONS, "logprobs", 21),
     (COMPLETIONS, "logprobs", True),
@@ -198,6 +199,9 @@ def test_n_choices_stream_with_their_index(server):
     frames = [json.loads(f[6:]) for f in stream.text.strip().split("\n\n")[:-1]]
     *chunks, usage = frames
     assert usage["usage"]["completion_tokens"] == 8
+    # The prompt counts once, however many choices it has.
+    one = server.post(CHAT, body | {"n": 1}).json()["usage"]["prompt_tokens"]
+    assert usage["usage"]["prompt_tokens"] == whole["usage"]["prompt_tokens"] == one
     for choice in whole["choices"]:
         index = choice["index"]
         mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == index]
@@ -233,3 +237,20 @@ def test_logprobs_in_the_openai_shapes(server):
     first = content[0]
     assert first["top_logprobs"][0]["logprob"] == first["logprob"] <= 0
     assert bytes(first["bytes"]).decode() == first["token"]
+
+
+def test_best_of_returns_the_likeliest_candidates(server):
+    body = {"prompt": "In the", "max_tokens": 4, "temperature": 1.5, "seed": 11}
+    body |= {"ignore_eos": True}
+    # best_of's candidates are the choices n=best_of gives with the same seed.
+    candidates = server.post(COMPLETIONS, body | {"n": 4, "logprobs": 0}).json()
+    ranked = sorted(
+        candidates["choices"],
+        key=lambda c: sum(c["logprobs"]["token_logprobs"]),
+        reverse=True,
+    )
+    best = server.post(COMPLETIONS, body | {"n": 2, "best_of": 4}).json()
+    assert [c["text"] for c in best["choices"]] == [c["text"] for c in ranked[:2]]
+    assert [c["index"] for c in best["choices"]] == [0, 1]
+    assert all(c["logprobs"] is None for c in best["choices"])
+    assert best["usage"]["completion_tokens"] == 4 * 4

@@ -165,7 +165,7 @@ def test_bad_requests_fail_alone_while_others_are_served(server):
         ({"prompt": "x", "max_tokens": -5}, 400, "max_tokens"),
         ({"prompt": "x", "max_tokens": "ten"}, 400, "max_tokens"),
         ({"prompt": "x", "temperature": "hot"}, 400, "temperature"),
-        ({"prompt": "x", "n": 0}, 400, "n must be in [1, 128]"),
+        ({"prompt": "x", "n": 0}, 400, "n: Input should be greater than or equal to 1"),
         ({"prompt": "x", "model": "gpt-4o"}, 404, "gpt-4o"),
         ({"prompt": [7] * (max_model_len + 1)}, 400, str(max_model_len)),
         ({"prompt": [10**7]}, 400, "vocabulary"),

@@ -26,7 +26,8 @@ def validation_message(model, body: dict) -> str:
         ({"prompt": "hi", "max_tokens": "many"}, "max_tokens: Input should be a valid"),
         ({"prompt": "hi", "max_completion_tokens": 0}, "max_completion_tokens:"),
         ({"prompt": "hi", "temperature": -0.5}, "temperature: Input should be greater"),
-        ({"prompt": "hi", "n": 129}, "n: n must be in [1, 128], got 129"),
+        ({"prompt": "hi", "n": 129}, "n: Input should be less than or equal to 128"),
+        ({"prompt": "hi", "n": 3, "best_of": 2}, "best_of: best_of must be >= n = 3"),
         ({"prompt": "hi", "stop": 5}, "stop"),
         ({"prompt": "hi", "stream": "sometimes"}, "stream"),
         ({"prompt": 12}, "prompt"),
@@ -103,8 +104,6 @@ def test_penalties_bias_and_token_stops_fill_params():
 @pytest.mark.parametrize(
     "model, field, value",
     [
-        (CompletionRequest, "best_of", 2),
-        (CompletionRequest, "best_of", True),
         (CompletionRequest, "suffix", ""),
         (ChatCompletionRequest, "tools", []),
         (ChatCompletionRequest, "tool_choice", "auto"),
@@ -199,7 +198,7 @@ def test_chat_without_messages_or_with_images_is_a_value_error():
         ({"messages": "hi"}, "messages: Input should be a valid list"),
         ({"messages": [{"content": "hi"}]}, "messages.0.role: Field required"),
         ({"messages": [], "top_logprobs": 1}, "top_logprobs needs logprobs: true"),
-        ({"messages": [], "n": 0}, "n must be in [1, 128]"),
+        ({"messages": [], "n": 0}, "n: Input should be greater than or equal to 1"),
     ],
 )
 def test_chat_request_errors_name_the_field(body, expected):

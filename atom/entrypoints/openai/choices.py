@@ -1,4 +1,5 @@
-"""Several choices per request (`n`): each is an engine request of its own.
+"""Several choices per request (`n`, `best_of`): each is an engine request of its
+own.
 
 The engine runs one sequence per request; a request with n choices becomes n
 engine requests over the same prompt (the prefix cache shares its blocks), choice
@@ -21,6 +22,19 @@ def params_per_choice(params: SamplingParams, n: int) -> list[SamplingParams]:
     if params.seed is None:
         return [params] * n
     return [replace(params, seed=seed_for_choice(params.seed, i)) for i in range(n)]
+
+
+def best_of_each(outputs: list[Any], best_of: int, n: int) -> list[Any]:
+    """Of each prompt's best_of consecutive outputs, the n of the highest
+    cumulative logprob (in that order); all of them when best_of == n."""
+    if best_of == n:
+        return outputs
+    kept = []
+    for start in range(0, len(outputs), best_of):
+        group = outputs[start : start + best_of]
+        group.sort(key=lambda o: sum(lp.logprob for lp in o.logprobs), reverse=True)
+        kept.extend(group[:n])
+    return kept
 
 
 async def merged(

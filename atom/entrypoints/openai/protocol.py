@@ -33,9 +33,10 @@ FiniteFloat = Annotated[StrictFloat, Field(allow_inf_nan=False)]
 FiniteNumber = StrictInt | FiniteFloat
 Penalty = Annotated[FiniteNumber, Field(ge=-2, le=2)]
 Bias = Annotated[FiniteNumber, Field(ge=-100, le=100)]
-TopCount = Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)]
 # The most choices one request may ask for (n, or best_of, times its prompts).
 MAX_CHOICES = 128
+ChoiceCount = Annotated[StrictInt, Field(ge=1, le=MAX_CHOICES)]
+TopCount = Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)]
 # OpenAI's default for /v1/completions when a request names no max_tokens.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
@@ -48,7 +49,6 @@ def random_id(prefix: str) -> str:
 # nothing (served), and how the refusal describes it. Any other value is a 400.
 UNIMPLEMENTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     # `type(v)`, not isinstance: `false` is no number, though False == 0 in Python.
-    "best_of": (lambda v: type(v) is int and v == 1, "1"),
     "echo": (lambda v: v is False, "false"),
     "suffix": (lambda v: False, "null"),
     "tools": (lambda v: False, "null"),
@@ -125,7 +125,7 @@ class OpenAIRequest(BaseModel):
     seed: StrictInt | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    n: StrictInt = 1
+    n: ChoiceCount = 1
     # An end-user id for the provider's abuse monitoring; it never changes output.
     user: str | None = None
     frequency_penalty: Penalty | None = None
@@ -149,13 +149,6 @@ class OpenAIRequest(BaseModel):
                 f"{bad[:5]}"
             )
         return bias
-
-    @field_validator("n")
-    @classmethod
-    def _choice_count(cls, n: int) -> int:
-        if not 1 <= n <= MAX_CHOICES:
-            raise ValueError(f"n must be in [1, {MAX_CHOICES}], got {n}")
-        return n
 
     @field_validator("seed")
     @classmethod
@@ -207,12 +200,22 @@ class CompletionRequest(OpenAIRequest):
     echo: Any = None
     # The number of likeliest alternatives per token (0: the token's own only).
     logprobs: TopCount | None = None
-    best_of: Any = None
+    # Generate best_of choices per prompt and return the n of the highest
+    # cumulative logprob.
+    best_of: ChoiceCount | None = None
     suffix: Any = None
 
-    _unimplemented_here = field_validator("echo", "best_of", "suffix")(
-        refuse_unimplemented
-    )
+    _unimplemented_here = field_validator("echo", "suffix")(refuse_unimplemented)
+
+    @field_validator("best_of")
+    @classmethod
+    def _at_least_n(cls, best_of: int | None, info: ValidationInfo) -> int | None:
+        n = info.data.get("n", 1)
+        if best_of is not None and best_of < n:
+            raise ValueError(f"best_of must be >= n = {n}, got {best_of}")
+        if best_of is not None and best_of > n and info.data.get("stream"):
+            raise ValueError("best_of must equal n when streaming")
+        return best_of
 
     def logprobs_wanted(self) -> int | None:
         return self.logprobs

@@ -9,6 +9,7 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from dataclasses import replace
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -16,7 +17,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from atom.entrypoints.openai.async_engine import AsyncEngine, EngineDeadError
-from atom.entrypoints.openai.choices import merged, params_per_choice
+from atom.entrypoints.openai.choices import best_of_each, merged, params_per_choice
 from atom.entrypoints.openai.logprob_format import (
     chat_logprobs,
     completion_logprobs,
@@ -169,13 +170,18 @@ class OpenAIServing:
         for prompt in prompts:
             self._check_token_ids(prompt)
             self._check_text_size(prompt, params.max_tokens)
-        if len(prompts) * body.n > MAX_CHOICES:
+        best_of = body.best_of or body.n
+        if len(prompts) * best_of > MAX_CHOICES:
             raise APIError(
                 400,
-                f"n: {len(prompts)} prompts x n={body.n} choices exceed "
-                f"{MAX_CHOICES} choices per request",
+                f"{'best_of' if body.best_of else 'n'}: {len(prompts)} prompts x "
+                f"{best_of} choices exceed {MAX_CHOICES} choices per request",
             )
-        per_choice = params_per_choice(params, body.n)
+        ranked = best_of > body.n and params.logprobs is None
+        # Ranking needs every candidate's logprobs, asked for or not.
+        per_choice = params_per_choice(
+            replace(params, logprobs=0) if ranked else params, best_of
+        )
         request_id = random_id("cmpl")
         if not body.stream:
             # Choice index = prompt index x n + choice, as in the OpenAI API.
@@ -183,6 +189,11 @@ class OpenAIServing:
             outputs = await unless_disconnected(
                 request, self._run_all(jobs, request_id)
             )
+            # Usage counts every generated candidate, each prompt once.
+            usage = self._usage(outputs, best_of)
+            outputs = best_of_each(outputs, best_of, body.n)
+            if ranked:
+                outputs = [replace(o, logprobs=None) for o in outputs]
             choices = [
                 CompletionChoice(
                     index=i,
@@ -197,7 +208,7 @@ class OpenAIServing:
                 id=request_id,
                 model=self.served_model_name,
                 choices=choices,
-                usage=self._usage(outputs),
+                usage=usage,
             )
             return JSONResponse(response.model_dump())
         if len(prompts) != 1:
@@ -279,7 +290,7 @@ class OpenAIServing:
                 id=request_id,
                 model=self.served_model_name,
                 choices=choices,
-                usage=self._usage(outputs),
+                usage=self._usage(outputs, body.n),
             )
             return JSONResponse(response.model_dump())
 
@@ -449,9 +460,11 @@ class OpenAIServing:
                 task.cancel()
 
     @staticmethod
-    def _usage(outputs: list[Any]) -> UsageInfo:
+    def _usage(outputs: list[Any], choices_per_prompt: int) -> UsageInfo:
+        """Every choice's generated tokens, and each prompt's tokens once (its
+        choices are consecutive outputs)."""
         return UsageInfo.of(
-            sum(len(o.prompt_token_ids) for o in outputs),
+            sum(len(o.prompt_token_ids) for o in outputs[::choices_per_prompt]),
             sum(len(o.output_token_ids) for o in outputs),
         )
 
@@ -496,7 +509,7 @@ class OpenAIServing:
                         if len(finals) < len(streams):
                             continue
                         if include_usage:
-                            usage = self._usage(list(finals.values()))
+                            usage = self._usage(list(finals.values()), len(finals))
                             pending += sse_frame(usage_chunk(usage))
                         yield pending + SSE_DONE
                         return
