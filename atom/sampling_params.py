@@ -58,6 +58,10 @@ class SamplingParams:
     # Report each output token's log-probability (atom/model_ops/logprobs.py says
     # which distribution) with this many likeliest alternatives; None = off.
     logprobs: int | None = None
+    # Report each prompt token's log-probability (the first is None: nothing
+    # predicts it) with this many alternatives; computed in the prefill, which then
+    # reuses no cached prefix. None = off.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not _is_number(self.temperature) or not math.isfinite(self.temperature):
@@ -112,13 +116,15 @@ class SamplingParams:
         if self.n != 1:
             raise ValueError(f"SamplingParams.n: only n=1 is supported, got {self.n!r}")
         self._check_logit_adjustments()
-        if self.logprobs is not None and (
-            not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS
-        ):
-            raise ValueError(
-                f"SamplingParams.logprobs must be None or an int in "
-                f"[0, {MAX_TOP_LOGPROBS}], got {self.logprobs!r}"
-            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (
+                not _is_int(value) or not 0 <= value <= MAX_TOP_LOGPROBS
+            ):
+                raise ValueError(
+                    f"SamplingParams.{name} must be None or an int in "
+                    f"[0, {MAX_TOP_LOGPROBS}], got {value!r}"
+                )
 
     def _check_stop(self) -> None:
         stops = [self.stop] if isinstance(self.stop, str) else self.stop

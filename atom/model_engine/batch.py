@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from atom.model_ops.logprobs import TokenLogprob
+
 
 @dataclass(kw_only=True)
 class LogitAdjustWork:
@@ -52,6 +54,10 @@ class SeqWork:
     # Log-probabilities wanted for the emitted tokens: how many top alternatives
     # (0 = the emitted token's only); None = none.
     logprobs: int | None = None
+    # Prompt logprobs: the top count (None = none) and the prompt token each row
+    # of this chunk predicts (the chunk's last row may predict none).
+    prompt_logprobs: int | None = None
+    prompt_logprob_targets: list[int] = field(default_factory=list)
     # Copy the KDA state of this checkpoint slot into state_slot BEFORE the forward.
     state_fork_src: int | None = None
     # Copy the KDA state of state_slot into this checkpoint slot AFTER the forward.
@@ -91,17 +97,6 @@ class ScheduledBatch:
 
 
 @dataclass
-class TokenLogprob:
-    """A token's log-probability under the target, and the likeliest tokens there."""
-
-    token_id: int
-    logprob: float
-    # (token id, logprob) of the most likely tokens at this position, likeliest
-    # first; as many as the request asked for.
-    top: list[tuple[int, float]] = field(default_factory=list)
-
-
-@dataclass
 class TokenChoice:
     """What the last stage decided for one sampled sequence in one step."""
 
@@ -113,6 +108,9 @@ class TokenChoice:
     draft_token_ids: list[int]
     # One per token of token_ids when the request asked for logprobs.
     logprobs: list[TokenLogprob] | None = None
+    # With prompt logprobs, on the step that samples the prompt's first output:
+    # one per prompt token after the first.
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass

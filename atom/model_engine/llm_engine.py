@@ -243,6 +243,8 @@ class LLMEngine:
                 "token_ids": done[r].output_token_ids,
                 # TokenLogprob per output token with SamplingParams.logprobs, else None.
                 "logprobs": done[r].logprobs,
+                # With SamplingParams.prompt_logprobs: per prompt token, the first None.
+                "prompt_logprobs": done[r].prompt_logprobs,
                 "finish_reason": done[r].finish_reason,
                 "num_tokens_input": len(done[r].prompt_token_ids),
                 "num_tokens_output": len(done[r].output_token_ids),

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from atom.model_engine.batch import TokenLogprob
 from atom.model_engine.sequence import Sequence
+from atom.model_ops.logprobs import TokenLogprob
 
 
 @dataclass
@@ -28,6 +28,9 @@ class RequestOutput:
     # With SamplingParams.logprobs: one per output token, and those of new_token_ids.
     logprobs: list[TokenLogprob] | None = None
     new_logprobs: list[TokenLogprob] | None = None
+    # With SamplingParams.prompt_logprobs: one per prompt token (the first None),
+    # once the prefill computed them.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass
@@ -131,6 +134,7 @@ class OutputProcessor:
             queue_time=seq.queue_time,
             logprobs=logprobs,
             new_logprobs=new_logprobs,
+            prompt_logprobs=seq.prompt_logprobs,
         )
         if finished:
             self.drop(request_id)

@@ -188,6 +188,8 @@ class Scheduler:
 
     def _usable_prefix(self, seq: Sequence) -> tuple[int, int | None]:
         """(cached blocks to reuse, checkpoint slot to fork the state from)."""
+        if seq.needs_prompt_logprobs:
+            return 0, None
         num_blocks = self.block_manager.num_cached_prefix_blocks(seq)
         if not self.has_recurrent_state:
             return num_blocks, None
@@ -229,6 +231,15 @@ class Scheduler:
         save_dst = None if save_hash is None else self.checkpoints.reserve(save_hash)
         fork_src, seq.state_fork_src = seq.state_fork_src, None
         seq.num_computed_tokens = end
+        prompt_logprobs = {}
+        if seq.needs_prompt_logprobs:
+            # Row i (position start + i) predicts the token at start + i + 1.
+            prompt_logprobs = dict(
+                prompt_logprobs=seq.sampling_params.prompt_logprobs,
+                prompt_logprob_targets=seq.token_ids[
+                    start + 1 : min(end + 1, seq.num_prompt_tokens)
+                ],
+            )
         return self._work(
             seq,
             token_ids=seq.token_ids[start:end],
@@ -236,6 +247,7 @@ class Scheduler:
             sample=end == seq.num_tokens,
             state_fork_src=fork_src,
             state_save_dst=save_dst,
+            **prompt_logprobs,
         )
 
     def _schedule_decode(self) -> list[SeqWork]:
@@ -380,6 +392,13 @@ class Scheduler:
             self.num_generation_tokens += appended
             if choice.logprobs is not None:
                 seq.output_logprobs.extend(choice.logprobs[:appended])
+            if choice.prompt_logprobs is not None and seq.needs_prompt_logprobs:
+                if len(choice.prompt_logprobs) != seq.num_prompt_tokens - 1:
+                    raise RuntimeError(
+                        f"sequence {seq.seq_id}: {len(choice.prompt_logprobs)} prompt "
+                        f"logprobs for a prompt of {seq.num_prompt_tokens} tokens"
+                    )
+                seq.prompt_logprobs = [None, *choice.prompt_logprobs]
             if reason is not None:
                 self._finish(seq, reason)
                 finished.append(seq)

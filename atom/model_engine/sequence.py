@@ -7,7 +7,7 @@ import itertools
 import time
 from enum import Enum, auto
 
-from atom.model_engine.batch import TokenLogprob
+from atom.model_ops.logprobs import TokenLogprob
 from atom.sampling_params import SamplingParams
 
 
@@ -71,6 +71,9 @@ class Sequence:
         self.spec_token_ids: list[int] = []
         # One per output token when the request asks for logprobs.
         self.output_logprobs: list[TokenLogprob] = []
+        # With SamplingParams.prompt_logprobs, once the prefill delivered them: one
+        # per prompt token, the first None.
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None
         # The batch whose output this sequence waits for (None when none).
         self.in_flight_batch_id: int | None = None
 
@@ -109,6 +112,13 @@ class Sequence:
     def distinct_prompt_token_ids(self) -> list[int]:
         """The prompt's ids, each once (repetition_penalty sends it every step)."""
         return sorted(set(self.prompt_token_ids))
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Whether its prefill must still compute the prompt's logprobs (and so
+        may reuse no cached prefix: the skipped rows would have none)."""
+        wanted = self.sampling_params.prompt_logprobs is not None
+        return wanted and self.prompt_logprobs is None
 
     @property
     def queue_time(self) -> float | None:

@@ -13,11 +13,14 @@ tokens without a broadcast.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 
-from atom.model_engine.batch import TokenChoice, TokenLogprob
+from atom.model_engine.batch import SeqWork, TokenChoice
+from atom.model_ops.host_copy import host_to_device
+from atom.model_ops.logprobs import TokenLogprob, prompt_token_logprobs
 from atom.model_ops.rejection_sampler import verify_drafts
 from atom.model_ops.sampler import sample_tokens
 from atom.model_ops.sampling_metadata import SamplingMetadata
@@ -36,10 +39,68 @@ class StepSampler:
         # q [T, V] (device) of the drafts each temperature > 0 sequence verifies
         # next; greedy requests need none.
         self.draft_probs: dict[int, torch.Tensor] = {}
+        # Prompt logprobs of the chunks prefilled so far, per sequence that wants
+        # them, until the step that samples its first output takes them.
+        self.prompt_logprobs: dict[int, list[TokenLogprob]] = {}
 
     def forget(self, seq_ids: list[int]) -> None:
         for seq_id in seq_ids:
             self.draft_probs.pop(seq_id, None)
+            self.prompt_logprobs.pop(seq_id, None)
+
+    def record_prompt_logprobs(
+        self,
+        works: list[SeqWork],
+        hidden: torch.Tensor,
+        compute_logits: Callable[[torch.Tensor], torch.Tensor],
+    ) -> None:
+        """Score the prompt rows of the works that want prompt logprobs.
+
+        hidden: [N, H] the forward's rows, works' rows in batch order. A chunk at
+        position 0 starts the sequence's list afresh (a preempted sequence
+        prefills again from the start: prefix reuse is off for it).
+        """
+        wanted, start = [], 0
+        for work in works:
+            if work.prompt_logprobs is not None:
+                wanted.append((work, start))
+                if work.context_len == 0:
+                    self.prompt_logprobs[work.seq_id] = []
+            start += work.num_rows
+        scored = [(w, first) for w, first in wanted if w.prompt_logprob_targets]
+        if not scored:
+            return
+        rows = [
+            first + i
+            for w, first in scored
+            for i in range(len(w.prompt_logprob_targets))
+        ]
+        targets = [t for w, _ in scored for t in w.prompt_logprob_targets]
+        device = hidden.device
+        logprobs = prompt_token_logprobs(
+            hidden[host_to_device(rows, torch.long, device)],
+            host_to_device(targets, torch.long, device),
+            max(w.prompt_logprobs for w, _ in scored),
+            compute_logits,
+        )
+        offset = 0
+        for work, _ in scored:
+            count = len(work.prompt_logprob_targets)
+            kept = self.prompt_logprobs.setdefault(work.seq_id, [])
+            kept.extend(
+                TokenLogprob(lp.token_id, lp.logprob, lp.top[: work.prompt_logprobs])
+                for lp in logprobs[offset : offset + count]
+            )
+            offset += count
+
+    def attach_prompt_logprobs(
+        self, works: list[SeqWork], choices: list[TokenChoice]
+    ) -> None:
+        """Hand each sampled sequence's finished prompt logprobs to its choice."""
+        sampled = [work for work in works if work.sample]
+        for work, choice in zip(sampled, choices):
+            if work.prompt_logprobs is not None:
+                choice.prompt_logprobs = self.prompt_logprobs.pop(work.seq_id, [])
 
     def step(
         self, logits: torch.Tensor, sampling: SamplingMetadata

@@ -75,3 +75,31 @@ def test_logprobs_under_dspark_equal_target_only():
             assert [i for i, _ in s.top] == [i for i, _ in a.top]
             assert len(a.top) == 3 and a.top[0] == (a.token_id, a.logprob)
             assert a.logprob <= 0
+
+
+def test_prompt_logprobs_match_the_golden_model_with_chunks_and_cached_prefixes(
+    golden_oracle,
+):
+    """Prompts of 70 and 26 tokens prefill in chunks of 32 under DSpark; the
+    second run of the same prompts finds their blocks cached and must still score
+    every position."""
+    target, draft = PAIRS["k3"]
+    prompts = [corpus_prompts()[3], corpus_prompts()[1]]
+    engine = make_engine(target, draft)
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2)
+    runs = [engine.generate(prompts, params) for _ in range(2)]
+    engine.close()
+    golden = golden_oracle.model(target)
+    for prompt, first, again in zip(prompts, *runs):
+        want = golden(prompt)[0].log_softmax(dim=-1)
+        got = first["prompt_logprobs"]
+        assert got[0] is None and len(got) == len(prompt)
+        assert [lp.token_id for lp in got[1:]] == prompt[1:]
+        for position, lp in enumerate(got[1:], start=1):
+            assert lp.logprob == pytest.approx(
+                float(want[position - 1, prompt[position]]), abs=2e-3
+            )
+            assert [i for i, _ in lp.top] == want[position - 1].topk(2).indices.tolist()
+        assert [lp.logprob for lp in again["prompt_logprobs"][1:]] == pytest.approx(
+            [lp.logprob for lp in got[1:]], abs=1e-5
+        )

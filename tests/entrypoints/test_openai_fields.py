@@ -98,7 +98,7 @@ REFUSED = [
     (COMPLETIONS, "suffix", " the end"),
     (COMPLETIONS, "logprobs", 21),
     (COMPLETIONS, "logprobs", True),
-    (COMPLETIONS, "echo", True),
+    (COMPLETIONS, "echo", 1),  # not a boolean
     (CHAT, "logprobs", 1),
     (CHAT, "top_logprobs", 2),  # without logprobs: true
     (CHAT, "tools", [{"type": "function", "function": {"name": "f"}}]),
@@ -254,3 +254,29 @@ def test_best_of_returns_the_likeliest_candidates(server):
     assert [c["index"] for c in best["choices"]] == [0, 1]
     assert all(c["logprobs"] is None for c in best["choices"])
     assert best["usage"]["completion_tokens"] == 4 * 4
+
+
+def test_echo_returns_the_prompt_and_its_logprobs(server):
+    """lm-eval's loglikelihood request (echo, max_tokens 0, logprobs): the prompt's
+    logprobs, the first null; the next token's logprob, echoed, equals the one it
+    got when generated."""
+    tokenizer = Tokenizer.from_file(str(TOKENIZER_FILE))
+    prompt = "And God said"
+    body = {"prompt": prompt, "echo": True, "logprobs": 1, "temperature": 0}
+    generated = server.post(COMPLETIONS, body | {"max_tokens": 1}).json()
+    shaped = generated["choices"][0]["logprobs"]
+    num_prompt = generated["usage"]["prompt_tokens"]
+    assert generated["choices"][0]["text"].startswith(prompt)
+    assert shaped["token_logprobs"][0] is None and shaped["top_logprobs"][0] is None
+    assert len(shaped["tokens"]) == num_prompt + 1
+    assert "".join(shaped["tokens"][:num_prompt]) == prompt
+    ids = tokenizer.encode(prompt).ids + tokenizer.encode(shaped["tokens"][-1]).ids
+    echoed = server.post(COMPLETIONS, body | {"prompt": ids, "max_tokens": 0}).json()
+    choice = echoed["choices"][0]
+    assert choice["text"] == prompt + shaped["tokens"][-1]
+    assert echoed["usage"]["completion_tokens"] == 0
+    assert choice["logprobs"]["token_logprobs"] == pytest.approx(
+        shaped["token_logprobs"], abs=1e-4
+    )
+    refused = server.post(COMPLETIONS, body | {"max_tokens": 0, "echo": False})
+    assert error_message(refused, 400).startswith("max_tokens: 0 asks for no tokens")

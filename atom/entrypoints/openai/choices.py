@@ -24,6 +24,18 @@ def params_per_choice(params: SamplingParams, n: int) -> list[SamplingParams]:
     return [replace(params, seed=seed_for_choice(params.seed, i)) for i in range(n)]
 
 
+def without_output(output: Any) -> Any:
+    """A final output with its generated token left out: a request for 0 tokens
+    (echo) runs one, as the engine always generates at least one."""
+    return replace(
+        output,
+        output_token_ids=[],
+        text="",
+        logprobs=None if output.logprobs is None else [],
+        finish_reason="length",
+    )
+
+
 def best_of_each(outputs: list[Any], best_of: int, n: int) -> list[Any]:
     """Of each prompt's best_of consecutive outputs, the n of the highest
     cumulative logprob (in that order); all of them when best_of == n."""

@@ -49,7 +49,6 @@ def random_id(prefix: str) -> str:
 # nothing (served), and how the refusal describes it. Any other value is a 400.
 UNIMPLEMENTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     # `type(v)`, not isinstance: `false` is no number, though False == 0 in Python.
-    "echo": (lambda v: v is False, "false"),
     "suffix": (lambda v: False, "null"),
     "tools": (lambda v: False, "null"),
     "tool_choice": (lambda v: False, "null"),
@@ -118,8 +117,9 @@ class OpenAIRequest(BaseModel):
     temperature: FiniteFloat | None = Field(default=None, ge=0)
     top_k: StrictInt | None = None
     top_p: FiniteFloat | None = None
-    max_tokens: StrictInt | None = Field(default=None, gt=0)
-    max_completion_tokens: StrictInt | None = Field(default=None, gt=0)
+    # 0 asks for no tokens: served only by /v1/completions with echo (serving.py).
+    max_tokens: StrictInt | None = Field(default=None, ge=0)
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=0)
     stop: str | list[str] | None = None
     ignore_eos: StrictBool = False
     seed: StrictInt | None = None
@@ -161,16 +161,35 @@ class OpenAIRequest(BaseModel):
         """SamplingParams.logprobs: the top count, or None for no logprobs."""
         return None
 
+    def prompt_logprobs_wanted(self) -> int | None:
+        """SamplingParams.prompt_logprobs: the top count, or None."""
+        return None
+
+    def requested_max_tokens(self) -> int | None:
+        """max_completion_tokens, else max_tokens, else None (the default)."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
+
+    def max_tokens_field(self) -> str:
+        """The name of the field requested_max_tokens comes from, for messages."""
+        if self.max_completion_tokens is not None:
+            return "max_completion_tokens"
+        return "max_tokens"
+
     def include_usage_in_stream(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
     def sampling_kwargs(self, default_max_tokens: int) -> dict[str, Any]:
         """Keyword arguments for `SamplingParams`; unset fields keep its defaults."""
+        max_tokens = self.requested_max_tokens()
         kwargs: dict[str, Any] = {
-            "max_tokens": self.max_completion_tokens
-            or self.max_tokens
-            or default_max_tokens,
+            # A request for 0 tokens runs one, which the server leaves out.
+            "max_tokens": (
+                default_max_tokens if max_tokens is None else max(max_tokens, 1)
+            ),
             "ignore_eos": self.ignore_eos,
+            "prompt_logprobs": self.prompt_logprobs_wanted(),
         }
         optional = {
             "temperature": self.temperature,
@@ -197,7 +216,8 @@ class OpenAIRequest(BaseModel):
 class CompletionRequest(OpenAIRequest):
     # A batch (list of strings or of token-id lists) yields one choice per prompt.
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
-    echo: Any = None
+    # Prepend the prompt to the text (and, with logprobs, its tokens' logprobs).
+    echo: StrictBool = False
     # The number of likeliest alternatives per token (0: the token's own only).
     logprobs: TopCount | None = None
     # Generate best_of choices per prompt and return the n of the highest
@@ -205,7 +225,7 @@ class CompletionRequest(OpenAIRequest):
     best_of: ChoiceCount | None = None
     suffix: Any = None
 
-    _unimplemented_here = field_validator("echo", "suffix")(refuse_unimplemented)
+    _unimplemented_here = field_validator("suffix")(refuse_unimplemented)
 
     @field_validator("best_of")
     @classmethod
@@ -219,6 +239,9 @@ class CompletionRequest(OpenAIRequest):
 
     def logprobs_wanted(self) -> int | None:
         return self.logprobs
+
+    def prompt_logprobs_wanted(self) -> int | None:
+        return self.logprobs if self.echo else None
 
     @field_validator("prompt")
     @classmethod

@@ -17,7 +17,12 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from atom.entrypoints.openai.async_engine import AsyncEngine, EngineDeadError
-from atom.entrypoints.openai.choices import best_of_each, merged, params_per_choice
+from atom.entrypoints.openai.choices import (
+    best_of_each,
+    merged,
+    params_per_choice,
+    without_output,
+)
 from atom.entrypoints.openai.logprob_format import (
     chat_logprobs,
     completion_logprobs,
@@ -45,7 +50,7 @@ from atom.entrypoints.openai.protocol import (
     format_validation_error,
     random_id,
 )
-from atom.model_engine.batch import TokenLogprob
+from atom.model_ops.logprobs import TokenLogprob
 from atom.sampling_params import SamplingParams
 from atom.utils.arithmetic import ceil_div
 from atom.utils.tokenizer import apply_chat_template, max_bytes_per_token
@@ -165,6 +170,15 @@ class OpenAIServing:
 
     async def completions(self, request: Request):
         body = await self._parse(request, CompletionRequest)
+        no_tokens = body.requested_max_tokens() == 0
+        if no_tokens and not body.echo:
+            raise APIError(
+                400,
+                f"{body.max_tokens_field()}: 0 asks for no tokens; it is served only "
+                "with echo: true (the prompt and its logprobs)",
+            )
+        if body.echo and body.stream:
+            raise APIError(400, "echo: not supported with stream: true")
         params = self._sampling_params(body, COMPLETIONS_DEFAULT_MAX_TOKENS)
         prompts = body.prompts()
         for prompt in prompts:
@@ -189,19 +203,16 @@ class OpenAIServing:
             outputs = await unless_disconnected(
                 request, self._run_all(jobs, request_id)
             )
+            if no_tokens:
+                outputs = [without_output(o) for o in outputs]
             # Usage counts every generated candidate, each prompt once.
             usage = self._usage(outputs, best_of)
             outputs = best_of_each(outputs, best_of, body.n)
             if ranked:
                 outputs = [replace(o, logprobs=None) for o in outputs]
+            prompt_of = [prompt for prompt in prompts for _ in range(body.n)]
             choices = [
-                CompletionChoice(
-                    index=i,
-                    text=o.text,
-                    token_ids=self._ids(o.output_token_ids),
-                    logprobs=self._completion_logprobs(o.logprobs, o.output_token_ids),
-                    finish_reason=o.finish_reason,
-                )
+                self._completion_choice(i, o, prompt_of[i] if body.echo else None)
                 for i, o in enumerate(outputs)
             ]
             response = CompletionResponse(
@@ -269,6 +280,12 @@ class OpenAIServing:
         room = self.engine.max_model_len - len(prompt)
         # At least 1, so that a prompt with no room left gets the engine's message.
         default_max_tokens = max(1, min(CHAT_DEFAULT_MAX_TOKENS, room))
+        if body.requested_max_tokens() == 0:
+            raise APIError(
+                400,
+                f"{body.max_tokens_field()}: must be >= 1 (0 is served only by "
+                "/v1/completions with echo: true)",
+            )
         params = self._sampling_params(body, default_max_tokens)
         per_choice = params_per_choice(params, body.n)
         request_id = random_id("chatcmpl")
@@ -376,9 +393,37 @@ class OpenAIServing:
                 )
         return params
 
+    def _completion_choice(
+        self, index: int, output: Any, echoed: str | list[int] | None
+    ) -> CompletionChoice:
+        """A finished choice; with `echoed` (the prompt as sent) the prompt leads
+        its text, ids and logprobs (the prompt's own logprobs, the first None)."""
+        text, token_ids, logprobs = (
+            output.text,
+            output.output_token_ids,
+            output.logprobs,
+        )
+        if echoed is not None:
+            prompt_ids = output.prompt_token_ids
+            prompt_text = echoed if isinstance(echoed, str) else self._text(prompt_ids)
+            text, token_ids = prompt_text + text, prompt_ids + token_ids
+            if logprobs is not None:
+                logprobs = output.prompt_logprobs + logprobs
+        return CompletionChoice(
+            index=index,
+            text=text,
+            token_ids=self._ids(token_ids),
+            logprobs=self._completion_logprobs(logprobs, token_ids),
+            finish_reason=output.finish_reason,
+        )
+
+    def _text(self, token_ids: list[int]) -> str:
+        tokenizer = self.engine.tokenizer
+        return "" if tokenizer is None else tokenizer.decode(token_ids)
+
     def _completion_logprobs(
         self,
-        logprobs: list[TokenLogprob] | None,
+        logprobs: list[TokenLogprob | None] | None,
         token_ids: list[int],
         text_offset: int = 0,
     ) -> CompletionLogprobs | None:
