@@ -17,6 +17,7 @@ from tests.e2e.pp_probe import (
 )
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
+PP2_TP2 = dict(pipeline_parallel_size=2, tensor_parallel_size=2)
 
 
 def test_greedy_dspark_with_penalties_equals_target_only():
@@ -103,3 +104,36 @@ def test_prompt_logprobs_match_the_golden_model_with_chunks_and_cached_prefixes(
         assert [lp.logprob for lp in again["prompt_logprobs"][1:]] == pytest.approx(
             [lp.logprob for lp in got[1:]], abs=1e-5
         )
+
+
+@pytest.mark.slow
+def test_pp2_tp2_dspark_gives_the_pp1_tokens_and_logprobs():
+    """Penalties, bias, logprobs and prompt logprobs under pp2 x tp2 with DSpark
+    (rank processes over gloo): the last stage's TP ranks score the same rows."""
+    target, draft = PAIRS["k3"]
+    prompts = corpus_prompts()[2:]
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=GREEDY.max_tokens,
+        frequency_penalty=0.5,
+        repetition_penalty=1.3,
+        logit_bias={7: 3.0},
+        logprobs=2,
+        prompt_logprobs=1,
+    )
+    results = []
+    for pair, layout in (((target,), {}), ((target, draft), PP2_TP2)):
+        engine = make_engine(*pair, **layout)
+        results.append(engine.generate(prompts, params))
+        engine.close()
+    for alone, split in zip(*results):
+        assert split["token_ids"] == alone["token_ids"]
+        for key in ("logprobs", "prompt_logprobs"):
+            pairs = [(a, s) for a, s in zip(alone[key], split[key]) if a is not None]
+            assert len(pairs) == len(alone[key]) - (key == "prompt_logprobs")
+            for a, s in pairs:
+                assert (s.token_id, [i for i, _ in s.top]) == (
+                    a.token_id,
+                    [i for i, _ in a.top],
+                )
+                assert s.logprob == pytest.approx(a.logprob, abs=1e-3)
