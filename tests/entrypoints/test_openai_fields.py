@@ -280,3 +280,44 @@ def test_echo_returns_the_prompt_and_its_logprobs(server):
     )
     refused = server.post(COMPLETIONS, body | {"max_tokens": 0, "echo": False})
     assert error_message(refused, 400).startswith("max_tokens: 0 asks for no tokens")
+
+
+def test_the_official_openai_client_uses_every_new_field(server):
+    """n, best_of, logprobs, echo, penalties and logit_bias through `openai`."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused")
+    tokenizer = Tokenizer.from_file(str(TOKENIZER_FILE))
+    light = tokenizer.encode(" light").ids[0]
+    completion = client.completions.create(
+        model=MODEL,
+        prompt="And God said",
+        max_tokens=3,
+        n=2,
+        best_of=3,
+        logprobs=1,
+        echo=True,
+        temperature=1.0,
+        seed=5,
+        frequency_penalty=0.5,
+        presence_penalty=0.5,
+        logit_bias={str(light): 100},
+        extra_body={"ignore_eos": True},
+    )
+    assert [c.index for c in completion.choices] == [0, 1]
+    for choice in completion.choices:
+        assert choice.text == "And God said" + " light" * 3
+        assert choice.logprobs.token_logprobs[0] is None
+        assert choice.logprobs.tokens[-3:] == [" light"] * 3
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=2,
+        n=2,
+        logprobs=True,
+        top_logprobs=2,
+        temperature=0,
+    )
+    assert [c.index for c in chat.choices] == [0, 1]
+    assert all(len(c.logprobs.content) == 2 for c in chat.choices)
+    assert chat.choices[0].logprobs.content[0].top_logprobs[0].token
