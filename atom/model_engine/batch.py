@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from atom.model_ops.logprobs import TokenLogprob
+from atom.model_ops.token_logprob import TokenLogprob
 
 
 @dataclass(kw_only=True)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from atom.model_engine.sequence import Sequence
-from atom.model_ops.logprobs import TokenLogprob
+from atom.model_ops.token_logprob import TokenLogprob
 
 
 @dataclass

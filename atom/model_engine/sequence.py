@@ -7,7 +7,7 @@ import itertools
 import time
 from enum import Enum, auto
 
-from atom.model_ops.logprobs import TokenLogprob
+from atom.model_ops.token_logprob import TokenLogprob
 from atom.sampling_params import SamplingParams
 
 

@@ -20,10 +20,11 @@ import torch
 
 from atom.model_engine.batch import SeqWork, TokenChoice
 from atom.model_ops.host_copy import host_to_device
-from atom.model_ops.logprobs import TokenLogprob, prompt_token_logprobs
+from atom.model_ops.logprobs import prompt_token_logprobs
 from atom.model_ops.rejection_sampler import verify_drafts
 from atom.model_ops.sampler import sample_tokens
 from atom.model_ops.sampling_metadata import SamplingMetadata
+from atom.model_ops.token_logprob import TokenLogprob
 from atom.spec_decode.draft_output import DraftOutput
 
 if TYPE_CHECKING:

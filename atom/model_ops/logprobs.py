@@ -15,22 +15,12 @@ rows: no output precedes a prompt token, so no penalty applies there.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from atom.model_ops.host_copy import host_to_device
-
-
-@dataclass
-class TokenLogprob:
-    """A token's log-probability under the target, and the likeliest tokens there."""
-
-    token_id: int
-    logprob: float
-    # (token id, logprob) of the most likely tokens at this position, likeliest
-    # first; as many as the request asked for.
-    top: list[tuple[int, float]] = field(default_factory=list)
+from atom.model_ops.token_logprob import TokenLogprob
 
 
 @dataclass(frozen=True)

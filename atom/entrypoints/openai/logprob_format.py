@@ -17,7 +17,7 @@ from atom.entrypoints.openai.protocol import (
     ChatTopLogprob,
     CompletionLogprobs,
 )
-from atom.model_ops.logprobs import TokenLogprob
+from atom.model_ops.token_logprob import TokenLogprob
 
 MIN_LOGPROB = -9999.0
 

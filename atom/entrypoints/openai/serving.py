@@ -50,7 +50,7 @@ from atom.entrypoints.openai.protocol import (
     format_validation_error,
     random_id,
 )
-from atom.model_ops.logprobs import TokenLogprob
+from atom.model_ops.token_logprob import TokenLogprob
 from atom.sampling_params import SamplingParams
 from atom.utils.arithmetic import ceil_div
 from atom.utils.tokenizer import apply_chat_template, max_bytes_per_token
