@@ -207,10 +207,13 @@ def test_chat_errors(server):
     assert "text" in error_of(server.post("/v1/chat/completions", body), 400)
 
 
-def test_client_disconnect_aborts_the_request(server):
+@pytest.mark.parametrize("n", [1, 3])
+def test_client_disconnect_aborts_the_request(server, n):
+    """Every choice of a stream stops when the client leaves."""
     before = server.metric("vllm:generation_tokens_total")
     max_tokens = 4000
     body = {"prompt": "Go on and on:", "max_tokens": max_tokens, "ignore_eos": True}
+    body |= {"n": n}
     with httpx.Client(base_url=server.base_url, timeout=60) as client:
         with client.stream(
             "POST", "/v1/completions", json=body | {"stream": True}

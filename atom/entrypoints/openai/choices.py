@@ -70,7 +70,17 @@ async def merged(
                 if not output.finished:
                     pending[asyncio.ensure_future(anext(streams[index]))] = index
     finally:
-        for task in pending:
-            task.cancel()
-        for stream in streams:
-            await stream.aclose()
+        await close_all(streams, list(pending))
+
+
+async def close_all(
+    streams: list[AsyncGenerator[Any, None]], running: list[asyncio.Future]
+) -> None:
+    """Cancel the `anext` tasks still running on the streams, wait until they have
+    stopped (a generator cannot be closed while a task runs it), then close every
+    stream (closing a request's stream aborts it)."""
+    for task in running:
+        task.cancel()
+    await asyncio.gather(*running, return_exceptions=True)
+    for stream in streams:
+        await stream.aclose()

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ValidationError
 from atom.entrypoints.openai.async_engine import AsyncEngine, EngineDeadError
 from atom.entrypoints.openai.choices import (
     best_of_each,
+    close_all,
     merged,
     params_per_choice,
     without_output,
@@ -531,16 +532,16 @@ class OpenAIServing:
             self._generate(prompt, params, request_id + (f"-{i}" if several else ""))
             for i, params in enumerate(per_choice)
         ]
+        starts = [asyncio.ensure_future(anext(stream)) for stream in streams]
         try:
             # Waiting for the first outputs means a rejected prompt still gets a
             # proper 4xx status instead of an error inside a 200 stream.
-            firsts = await unless_disconnected(
-                request, asyncio.gather(*(anext(s) for s in streams))
-            )
-        except Exception as error:
-            for stream in streams:
-                await stream.aclose()
-            raise error_for(error) from None
+            firsts = await unless_disconnected(request, asyncio.gather(*starts))
+        except BaseException as error:
+            await close_all(streams, starts)
+            if isinstance(error, Exception):
+                raise error_for(error) from None
+            raise
         include_usage = body.include_usage_in_stream()
 
         async def frames() -> AsyncIterator[str]:
