@@ -231,15 +231,6 @@ class Scheduler:
         save_dst = None if save_hash is None else self.checkpoints.reserve(save_hash)
         fork_src, seq.state_fork_src = seq.state_fork_src, None
         seq.num_computed_tokens = end
-        prompt_logprobs = {}
-        if seq.needs_prompt_logprobs:
-            # Row i (position start + i) predicts the token at start + i + 1.
-            prompt_logprobs = dict(
-                prompt_logprobs=seq.sampling_params.prompt_logprobs,
-                prompt_logprob_targets=seq.token_ids[
-                    start + 1 : min(end + 1, seq.num_prompt_tokens)
-                ],
-            )
         return self._work(
             seq,
             token_ids=seq.token_ids[start:end],
@@ -247,7 +238,6 @@ class Scheduler:
             sample=end == seq.num_tokens,
             state_fork_src=fork_src,
             state_save_dst=save_dst,
-            **prompt_logprobs,
         )
 
     def _schedule_decode(self) -> list[SeqWork]:
@@ -321,6 +311,16 @@ class Scheduler:
         """The sequence's SeqWork: its rows (`rows`) with its table, slot and sampling."""
         sp = seq.sampling_params
         samples = rows.get("sample", True)
+        if seq.needs_prompt_logprobs:
+            # Also on a decode-shaped work: a prefill whose last chunk is one token
+            # runs as decode, and its sampled step must carry the flag.
+            start = rows["context_len"]
+            end = start + len(rows["token_ids"])
+            # Row i (position start + i) predicts the token at start + i + 1.
+            rows["prompt_logprobs"] = sp.prompt_logprobs
+            rows["prompt_logprob_targets"] = seq.token_ids[
+                start + 1 : min(end + 1, seq.num_prompt_tokens)
+            ]
         return SeqWork(
             seq_id=seq.seq_id,
             block_table=list(seq.block_table),

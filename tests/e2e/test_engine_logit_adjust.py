@@ -81,11 +81,11 @@ def test_logprobs_under_dspark_equal_target_only():
 def test_prompt_logprobs_match_the_golden_model_with_chunks_and_cached_prefixes(
     golden_oracle,
 ):
-    """Prompts of 70 and 26 tokens prefill in chunks of 32 under DSpark; the
-    second run of the same prompts finds their blocks cached and must still score
-    every position."""
+    """Prompts of 70 and 33 tokens prefill in chunks of 32 under DSpark (the 33rd
+    token runs as a decode-shaped step); the second run of the same prompts finds
+    their blocks cached and must still score every position."""
     target, draft = PAIRS["k3"]
-    prompts = [corpus_prompts()[3], corpus_prompts()[1]]
+    prompts = corpus_prompts((70, 33))
     engine = make_engine(target, draft)
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2)
     runs = [engine.generate(prompts, params) for _ in range(2)]
