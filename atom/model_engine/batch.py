@@ -4,6 +4,29 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from atom.model_ops.token_logprob import TokenLogprob
+
+
+@dataclass(kw_only=True)
+class LogitAdjustWork:
+    """What the last stage needs to adjust one sampled sequence's logits: its
+    penalties and bias, and the token history they depend on (SamplingParams has
+    the meaning of each setting)."""
+
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    # Ids the sampler may not emit while the output is shorter than min_tokens.
+    min_tokens: int = 0
+    banned_until_min_tokens: list[int] = field(default_factory=list)
+    # The output so far (the sequence's first scored row predicts output number
+    # len(output_token_ids)); sent only when a penalty is on.
+    output_token_ids: list[int] = field(default_factory=list)
+    # The prompt's distinct ids; sent only for repetition_penalty != 1.
+    prompt_token_ids: list[int] = field(default_factory=list)
+    num_output_tokens: int = 0
+
 
 @dataclass(kw_only=True)
 class SeqWork:
@@ -26,6 +49,15 @@ class SeqWork:
     top_k: int = -1
     top_p: float = 1.0
     seed: int | None = None
+    # Only for sampled sequences whose request adjusts its logits.
+    logit_adjust: LogitAdjustWork | None = None
+    # Log-probabilities wanted for the emitted tokens: how many top alternatives
+    # (0 = the emitted token's only); None = none.
+    logprobs: int | None = None
+    # Prompt logprobs: the top count (None = none) and the prompt token each row
+    # of this chunk predicts (the chunk's last row may predict none).
+    prompt_logprobs: int | None = None
+    prompt_logprob_targets: list[int] = field(default_factory=list)
     # Copy the KDA state of this checkpoint slot into state_slot BEFORE the forward.
     state_fork_src: int | None = None
     # Copy the KDA state of state_slot into this checkpoint slot AFTER the forward.
@@ -74,6 +106,11 @@ class TokenChoice:
     num_accepted: int
     # The drafts this sequence verifies next ([] without speculation).
     draft_token_ids: list[int]
+    # One per token of token_ids when the request asked for logprobs.
+    logprobs: list[TokenLogprob] | None = None
+    # With prompt logprobs, on the step that samples the prompt's first output:
+    # one per prompt token after the first.
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass

@@ -197,6 +197,14 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must lie in [0, {vocab})")
         if kv_transfer_params is not None:
             check_remote_prefill_params(kv_transfer_params, vocab)
+        named = [
+            t for t in params.token_ids_to_check if vocab is not None and t >= vocab
+        ]
+        if named:
+            raise ValueError(
+                f"logit_bias / stop_token_ids name token ids {named[:5]} outside "
+                f"the vocabulary [0, {vocab})"
+            )
         self._check_fits_context(len(token_ids), params.max_tokens)
         if params.seed is None:
             # Sampling draws from uniforms keyed by the request's seed, so every
@@ -332,6 +340,10 @@ class LLMEngine:
             {
                 "text": done[r].text,
                 "token_ids": done[r].output_token_ids,
+                # TokenLogprob per output token with SamplingParams.logprobs, else None.
+                "logprobs": done[r].logprobs,
+                # With SamplingParams.prompt_logprobs: per prompt token, the first None.
+                "prompt_logprobs": done[r].prompt_logprobs,
                 "finish_reason": done[r].finish_reason,
                 "num_tokens_input": len(done[r].prompt_token_ids),
                 "num_tokens_output": len(done[r].output_token_ids),

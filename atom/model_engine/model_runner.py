@@ -291,9 +291,13 @@ class ModelRunner:
             self.drafter.precompute_context_kv(
                 positions, slot_mapping, num_tokens, relayed
             )
+        self.step_sampler.record_prompt_logprobs(
+            batch.work, hidden, self.model.compute_logits
+        )
         if not batch.produces_output:
             return None
         sampling = SamplingMetadata.from_works(batch.work, self.device)
         logits = self.model.compute_logits(hidden[sampling.logit_rows])
         choices = self.step_sampler.step(logits, sampling)
+        self.step_sampler.attach_prompt_logprobs(batch.work, choices)
         return BatchOutput(batch.batch_id, choices)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from atom.model_engine.sequence import Sequence
+from atom.model_ops.token_logprob import TokenLogprob
 from atom.utils.tokenizer import output_decoder
 
 
@@ -25,6 +26,12 @@ class RequestOutput:
     error: str | None = None
     # Seconds the request waited to be scheduled (Sequence.queue_time).
     queue_time: float | None = None
+    # With SamplingParams.logprobs: one per output token, and those of new_token_ids.
+    logprobs: list[TokenLogprob] | None = None
+    new_logprobs: list[TokenLogprob] | None = None
+    # With SamplingParams.prompt_logprobs: one per prompt token (the first None),
+    # once the prefill computed them.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     # P/D producer: where the consumer finds this request's KV (docs/pd.md).
     kv_transfer_params: dict | None = None
 
@@ -102,6 +109,9 @@ class OutputProcessor:
         seq = state.seq
         outputs = seq.output_token_ids
         new_ids = outputs[state.num_tokens_seen :]
+        wants_logprobs = seq.sampling_params.logprobs is not None
+        logprobs = list(seq.output_logprobs) if wants_logprobs else None
+        new_logprobs = logprobs[state.num_tokens_seen :] if wants_logprobs else None
         state.num_tokens_seen = len(outputs)
         text = state.text
         if self.tokenizer is not None:
@@ -124,6 +134,9 @@ class OutputProcessor:
             finished=finished,
             finish_reason="stop" if hit else seq.finish_reason,
             queue_time=seq.queue_time,
+            logprobs=logprobs,
+            new_logprobs=new_logprobs,
+            prompt_logprobs=seq.prompt_logprobs,
             kv_transfer_params=seq.kv_transfer_output,
         )
         if finished:

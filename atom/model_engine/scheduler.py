@@ -20,7 +20,12 @@ from collections import deque
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from atom.model_engine.batch import BatchOutput, ScheduledBatch, SeqWork
+from atom.model_engine.batch import (
+    BatchOutput,
+    LogitAdjustWork,
+    ScheduledBatch,
+    SeqWork,
+)
 from atom.model_engine.block_manager import BlockManager
 from atom.model_engine.sequence import Sequence, SequenceStatus
 from atom.model_engine.state_cache import StateCheckpointPool, StateSlotAllocator
@@ -301,6 +306,8 @@ class Scheduler:
 
     def _usable_prefix(self, seq: Sequence) -> tuple[int, int | None]:
         """(cached blocks to reuse, checkpoint slot to fork the state from)."""
+        if seq.needs_prompt_logprobs:
+            return 0, None
         num_blocks = self.block_manager.num_cached_prefix_blocks(seq)
         if not self.has_recurrent_state:
             return num_blocks, None
@@ -418,10 +425,20 @@ class Scheduler:
         seq.in_flight_batch_id = None
         self._pending_commits.pop(seq.seq_id, None)
 
-    @staticmethod
-    def _work(seq: Sequence, **rows) -> SeqWork:
+    def _work(self, seq: Sequence, **rows) -> SeqWork:
         """The sequence's SeqWork: its rows (`rows`) with its table, slot and sampling."""
         sp = seq.sampling_params
+        samples = rows.get("sample", True)
+        if seq.needs_prompt_logprobs:
+            # Also on a decode-shaped work: a prefill whose last chunk is one token
+            # runs as decode, and its sampled step must carry the flag.
+            start = rows["context_len"]
+            end = start + len(rows["token_ids"])
+            # Row i (position start + i) predicts the token at start + i + 1.
+            rows["prompt_logprobs"] = sp.prompt_logprobs
+            rows["prompt_logprob_targets"] = seq.token_ids[
+                start + 1 : min(end + 1, seq.num_prompt_tokens)
+            ]
         return SeqWork(
             seq_id=seq.seq_id,
             block_table=list(seq.block_table),
@@ -430,7 +447,34 @@ class Scheduler:
             top_k=sp.top_k,
             top_p=sp.top_p,
             seed=sp.seed,
+            logit_adjust=(
+                self._logit_adjust(seq) if samples and sp.adjusts_logits else None
+            ),
+            logprobs=sp.logprobs if samples else None,
             **rows,
+        )
+
+    def _logit_adjust(self, seq: Sequence) -> LogitAdjustWork:
+        """The settings and history the last stage adjusts seq's logits with; the
+        history travels only when a penalty needs it."""
+        sp = seq.sampling_params
+        banned = set(sp.stop_token_ids or ())
+        if not sp.ignore_eos:
+            banned |= self.eos_token_ids
+        counts_outputs = sp.frequency_penalty or sp.presence_penalty
+        repeats = sp.repetition_penalty != 1
+        return LogitAdjustWork(
+            frequency_penalty=sp.frequency_penalty,
+            presence_penalty=sp.presence_penalty,
+            repetition_penalty=sp.repetition_penalty,
+            logit_bias=dict(sp.logit_bias or {}),
+            min_tokens=sp.min_tokens,
+            banned_until_min_tokens=sorted(banned) if sp.min_tokens else [],
+            output_token_ids=(
+                seq.output_token_ids if counts_outputs or repeats else []
+            ),
+            prompt_token_ids=seq.distinct_prompt_token_ids if repeats else [],
+            num_output_tokens=seq.num_output_tokens,
         )
 
     # ---- results ----
@@ -462,7 +506,17 @@ class Scheduler:
             reason = seq.append_tokens(
                 choice.token_ids, self.eos_token_ids, self.limits.max_model_len
             )
-            self.num_generation_tokens += seq.num_tokens - num_before
+            appended = seq.num_tokens - num_before
+            self.num_generation_tokens += appended
+            if choice.logprobs is not None:
+                seq.output_logprobs.extend(choice.logprobs[:appended])
+            if choice.prompt_logprobs is not None and seq.needs_prompt_logprobs:
+                if len(choice.prompt_logprobs) != seq.num_prompt_tokens - 1:
+                    raise RuntimeError(
+                        f"sequence {seq.seq_id}: {len(choice.prompt_logprobs)} prompt "
+                        f"logprobs for a prompt of {seq.num_prompt_tokens} tokens"
+                    )
+                seq.prompt_logprobs = [None, *choice.prompt_logprobs]
             if reason is not None:
                 self._finish(seq, reason)
                 finished.append(seq)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from enum import Enum, auto
 
+from atom.model_ops.token_logprob import TokenLogprob
 from atom.sampling_params import SamplingParams
 
 
@@ -70,6 +72,11 @@ class Sequence:
         # Prefix hit on a hybrid model: checkpoint to copy into state_slot first.
         self.state_fork_src: int | None = None
         self.spec_token_ids: list[int] = []
+        # One per output token when the request asks for logprobs.
+        self.output_logprobs: list[TokenLogprob] = []
+        # With SamplingParams.prompt_logprobs, once the prefill delivered them: one
+        # per prompt token, the first None.
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None
         # The batch whose output this sequence waits for (None when none).
         self.in_flight_batch_id: int | None = None
         # P/D (docs/pd.md): what the request asked (`do_remote_decode` on a
@@ -108,6 +115,18 @@ class Sequence:
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
 
+    @functools.cached_property
+    def distinct_prompt_token_ids(self) -> list[int]:
+        """The prompt's ids, each once (repetition_penalty sends it every step)."""
+        return sorted(set(self.prompt_token_ids))
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Whether its prefill must still compute the prompt's logprobs (and so
+        may reuse no cached prefix: the skipped rows would have none)."""
+        wanted = self.sampling_params.prompt_logprobs is not None
+        return wanted and self.prompt_logprobs is None
+
     @property
     def queue_time(self) -> float | None:
         """Seconds from arrival to the first admission; None until admitted."""
@@ -123,12 +142,14 @@ class Sequence:
         self, tokens: list[int], eos_token_ids: frozenset[int], max_model_len: int
     ) -> str | None:
         """Append token by token up to the first token-level stop (EOS unless
-        ignore_eos, max_tokens, max_model_len), dropping the rest; returns the
+        ignore_eos, a stop_token_ids entry, max_tokens, max_model_len), dropping the rest; returns the
         finish reason or None. Stop strings are the detokenizer's job."""
         sp = self.sampling_params
         for token in tokens:
             self.token_ids.append(token)
             if not sp.ignore_eos and token in eos_token_ids:
+                return "stop"
+            if sp.stop_token_ids and token in sp.stop_token_ids:
                 return "stop"
             if self.num_output_tokens >= sp.max_tokens:
                 return "length"

@@ -13,14 +13,18 @@ tokens without a broadcast.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 
-from atom.model_engine.batch import TokenChoice
+from atom.model_engine.batch import SeqWork, TokenChoice
+from atom.model_ops.host_copy import host_to_device
+from atom.model_ops.logprobs import prompt_token_logprobs
 from atom.model_ops.rejection_sampler import verify_drafts
 from atom.model_ops.sampler import sample_tokens
 from atom.model_ops.sampling_metadata import SamplingMetadata
+from atom.model_ops.token_logprob import TokenLogprob
 from atom.spec_decode.draft_output import DraftOutput
 
 if TYPE_CHECKING:
@@ -36,10 +40,68 @@ class StepSampler:
         # q [T, V] (device) of the drafts each temperature > 0 sequence verifies
         # next; greedy requests need none.
         self.draft_probs: dict[int, torch.Tensor] = {}
+        # Prompt logprobs of the chunks prefilled so far, per sequence that wants
+        # them, until the step that samples its first output takes them.
+        self.prompt_logprobs: dict[int, list[TokenLogprob]] = {}
 
     def forget(self, seq_ids: list[int]) -> None:
         for seq_id in seq_ids:
             self.draft_probs.pop(seq_id, None)
+            self.prompt_logprobs.pop(seq_id, None)
+
+    def record_prompt_logprobs(
+        self,
+        works: list[SeqWork],
+        hidden: torch.Tensor,
+        compute_logits: Callable[[torch.Tensor], torch.Tensor],
+    ) -> None:
+        """Score the prompt rows of the works that want prompt logprobs.
+
+        hidden: [N, H] the forward's rows, works' rows in batch order. A chunk at
+        position 0 starts the sequence's list afresh (a preempted sequence
+        prefills again from the start: prefix reuse is off for it).
+        """
+        wanted, start = [], 0
+        for work in works:
+            if work.prompt_logprobs is not None:
+                wanted.append((work, start))
+                if work.context_len == 0:
+                    self.prompt_logprobs[work.seq_id] = []
+            start += work.num_rows
+        scored = [(w, first) for w, first in wanted if w.prompt_logprob_targets]
+        if not scored:
+            return
+        rows = [
+            first + i
+            for w, first in scored
+            for i in range(len(w.prompt_logprob_targets))
+        ]
+        targets = [t for w, _ in scored for t in w.prompt_logprob_targets]
+        device = hidden.device
+        logprobs = prompt_token_logprobs(
+            hidden[host_to_device(rows, torch.long, device)],
+            host_to_device(targets, torch.long, device),
+            max(w.prompt_logprobs for w, _ in scored),
+            compute_logits,
+        )
+        offset = 0
+        for work, _ in scored:
+            count = len(work.prompt_logprob_targets)
+            kept = self.prompt_logprobs.setdefault(work.seq_id, [])
+            kept.extend(
+                TokenLogprob(lp.token_id, lp.logprob, lp.top[: work.prompt_logprobs])
+                for lp in logprobs[offset : offset + count]
+            )
+            offset += count
+
+    def attach_prompt_logprobs(
+        self, works: list[SeqWork], choices: list[TokenChoice]
+    ) -> None:
+        """Hand each sampled sequence's finished prompt logprobs to its choice."""
+        sampled = [work for work in works if work.sample]
+        for work, choice in zip(sampled, choices):
+            if work.prompt_logprobs is not None:
+                choice.prompt_logprobs = self.prompt_logprobs.pop(work.seq_id, [])
 
     def step(
         self, logits: torch.Tensor, sampling: SamplingMetadata
@@ -51,17 +113,26 @@ class StepSampler:
         spec = sampling.spec
         if spec is None:
             raise ValueError("the step's SamplingMetadata carries no spec metadata")
+        # [S, W, V]: row j of sequence s predicts the token after its draft j.
+        scored = logits.unsqueeze(1) if spec.max_drafts == 0 else logits[spec.row_index]
+        if sampling.adjust is not None:
+            # One adjustment for sampling and verification, each verify row
+            # counting the drafts before it: lossless speculation with penalties.
+            scored = sampling.adjust.apply(scored, spec.draft_ids, spec.num_drafts)
         if spec.max_drafts == 0:
-            emitted = sample_tokens(logits, sampling).unsqueeze(1)
+            emitted = sample_tokens(scored[:, 0], sampling).unsqueeze(1)
             accepted = torch.zeros_like(emitted[:, 0])
         else:
             emitted, accepted = verify_drafts(
-                logits[spec.row_index],
+                scored,
                 spec.draft_ids,
                 spec.num_drafts,
                 self._probs_of_verified_drafts(sampling, logits),
                 sampling,
             )
+        logprobs = None
+        if sampling.logprobs is not None:
+            logprobs = sampling.logprobs.compute(scored, emitted)
         drafts = None
         if self.drafter is not None:
             # The last emitted token anchors the next block; it sits accepted
@@ -71,7 +142,7 @@ class StepSampler:
                 anchors, sampling.positions + accepted, spec.block_tables, sampling
             )
             self.store_draft_probs(sampling, drafts)
-        return self._to_host(sampling, emitted, accepted, drafts)
+        return self._to_host(sampling, emitted, accepted, drafts, logprobs)
 
     def store_draft_probs(
         self, sampling: SamplingMetadata, drafts: DraftOutput
@@ -120,14 +191,33 @@ class StepSampler:
         emitted: torch.Tensor,
         accepted: torch.Tensor,
         drafts: DraftOutput | None,
+        logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
     ) -> list[TokenChoice]:
         parts = [accepted.unsqueeze(1), emitted]
         if drafts is not None:
             parts.append(drafts.ids)
-        # The step's one device-to-host copy.
+        # The step's one device-to-host copy (two more only for logprobs).
         rows = torch.cat(parts, dim=1).tolist()
         width = emitted.shape[1]
-        return [
+        choices = [
             TokenChoice(seq_id, row[1 : 2 + row[0]], row[0], row[1 + width :])
             for seq_id, row in zip(sampling.seq_ids, rows)
         ]
+        if logprobs is not None:
+            chosen, top_values, top_ids = logprobs
+            values = torch.cat([chosen.unsqueeze(2), top_values], dim=2).tolist()
+            ids = top_ids.tolist()
+            wanted = sampling.logprobs
+            for p, (row, num_top) in enumerate(
+                zip(wanted.rows_host, wanted.num_top_host)
+            ):
+                choice = choices[row]
+                choice.logprobs = [
+                    TokenLogprob(
+                        token,
+                        values[p][j][0],
+                        list(zip(ids[p][j][:num_top], values[p][j][1 : 1 + num_top])),
+                    )
+                    for j, token in enumerate(choice.token_ids)
+                ]
+        return choices

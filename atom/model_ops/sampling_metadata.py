@@ -15,8 +15,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from atom.model_ops.host_copy import host_to_device
+from atom.model_ops.logit_adjust import LogitAdjustments
+from atom.model_ops.logprobs import LogprobRequest
+
 if TYPE_CHECKING:
-    from atom.model_engine.batch import SeqWork
+    from atom.model_engine.batch import LogitAdjustWork, SeqWork
 
 
 def per_row(values: object, count: int, name: str) -> list:
@@ -30,19 +34,6 @@ def per_row(values: object, count: int, name: str) -> list:
     return [values] * count
 
 
-def _on_device(
-    values: list, dtype: torch.dtype, device: torch.device | str
-) -> torch.Tensor:
-    """Host values as a device tensor. A CUDA copy goes from pinned memory without
-    blocking: a plain copy would wait for the forward still running on the stream."""
-    host = torch.tensor(values, dtype=dtype)
-    if torch.device(device).type == "cpu":
-        return host
-    if host.numel() == 0:  # nothing to copy, nothing to pin
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
-
-
 def _padded(
     rows: list[list[int]], device: torch.device | str, repeat_last: bool = False
 ) -> torch.Tensor:
@@ -51,7 +42,7 @@ def _padded(
     padded = [
         row + (row[-1:] if repeat_last else [0]) * (width - len(row)) for row in rows
     ]
-    return _on_device(padded, torch.long, device).view(len(rows), width)
+    return host_to_device(padded, torch.long, device).view(len(rows), width)
 
 
 @dataclass(frozen=True)
@@ -97,6 +88,11 @@ class SamplingMetadata:
     # [R] long: rows of the step's hidden states whose logits are scored.
     logit_rows: torch.Tensor | None = None
     spec: SpecDecodeMetadata | None = None
+    # Penalties, bias and min_tokens of the rows that ask for them; None when no
+    # row does (the step skips the adjustment).
+    adjust: LogitAdjustments | None = None
+    # The rows whose emitted tokens' logprobs are reported; None when none.
+    logprobs: LogprobRequest | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -118,10 +114,14 @@ class SamplingMetadata:
         seq_ids: Sequence[int] | None = None,
         logit_rows: Sequence[int] | None = None,
         spec: SpecDecodeMetadata | None = None,
+        logit_adjusts: Sequence[LogitAdjustWork | None] | None = None,
+        logprobs: Sequence[int | None] | None = None,
     ) -> SamplingMetadata:
         """From host values, one per sequence (a scalar applies to all).
 
         A greedy row may have seed None; a sampled row needs an int seed.
+        `logit_adjusts` holds one LogitAdjustWork or None per sequence, `logprobs`
+        the top count each sequence wants reported (None: no logprobs).
         """
         num_seqs = len(temperatures)
         temps = [float(t) for t in temperatures]
@@ -144,7 +144,7 @@ class SamplingMetadata:
                 )
 
         def on_device(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return _on_device(values, dtype, device)
+            return host_to_device(values, dtype, device)
 
         return cls(
             seq_ids=list(seq_ids) if seq_ids is not None else list(range(num_seqs)),
@@ -164,6 +164,8 @@ class SamplingMetadata:
                 None if logit_rows is None else on_device(logit_rows, torch.long)
             ),
             spec=spec,
+            adjust=LogitAdjustments.build(logit_adjusts or [], device),
+            logprobs=LogprobRequest.build(logprobs or [], device),
         )
 
     @classmethod
@@ -187,7 +189,7 @@ class SamplingMetadata:
             start = end
         spec = SpecDecodeMetadata(
             draft_ids=_padded(drafts, device),
-            num_drafts=_on_device([len(d) for d in drafts], torch.long, device),
+            num_drafts=host_to_device([len(d) for d in drafts], torch.long, device),
             num_drafts_host=[len(d) for d in drafts],
             # Padding repeats the last row, so every index is a real row.
             row_index=_padded(row_index, device, repeat_last=True),
@@ -203,4 +205,6 @@ class SamplingMetadata:
             seq_ids=[w.seq_id for w in sampled],
             logit_rows=logit_rows,
             spec=spec,
+            logit_adjusts=[w.logit_adjust for w in sampled],
+            logprobs=[w.logprobs for w in sampled],
         )

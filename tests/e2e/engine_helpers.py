@@ -32,11 +32,13 @@ class GoldenOracle:
         self._models: dict[str, GoldenModel] = {}
         self._memo: dict[tuple[str, tuple[int, ...], int], list[int]] = {}
 
+    def model(self, name: str) -> GoldenModel:
+        if name not in self._models:
+            self._models[name] = GoldenModel.from_pretrained(resolve_model_path(name))
+        return self._models[name]
+
     def continuation(self, name: str, prompt: list[int], n: int) -> list[int]:
         key = (name, tuple(prompt), n)
         if key not in self._memo:
-            if name not in self._models:
-                path = resolve_model_path(name)
-                self._models[name] = GoldenModel.from_pretrained(path)
-            self._memo[key] = self._models[name].golden_greedy(prompt, n)
+            self._memo[key] = self.model(name).golden_greedy(prompt, n)
         return self._memo[key]

@@ -18,24 +18,23 @@ def validation_message(model, body: dict) -> str:
 @pytest.mark.parametrize(
     "body, expected",
     [
-        (
-            {"prompt": "hi", "max_tokens": 0},
-            "max_tokens: Input should be greater than 0",
-        ),
         ({"prompt": "hi", "max_tokens": -3}, "max_tokens: Input should be greater"),
         ({"prompt": "hi", "max_tokens": "many"}, "max_tokens: Input should be a valid"),
-        ({"prompt": "hi", "max_completion_tokens": 0}, "max_completion_tokens:"),
+        ({"prompt": "hi", "max_completion_tokens": -1}, "max_completion_tokens:"),
         ({"prompt": "hi", "temperature": -0.5}, "temperature: Input should be greater"),
-        ({"prompt": "hi", "n": 2}, "n: n must be 1"),
+        ({"prompt": "hi", "n": 129}, "n: Input should be less than or equal to 128"),
+        ({"prompt": "hi", "n": 3, "best_of": 2}, "best_of: best_of must be >= n = 3"),
         ({"prompt": "hi", "stop": 5}, "stop"),
         ({"prompt": "hi", "stream": "sometimes"}, "stream"),
         ({"prompt": 12}, "prompt"),
         ({"prompt": [1, -2]}, "prompt"),
         ({"prompt": []}, "prompt must not be an empty list"),
         ({"max_tokens": 4}, "prompt: Field required"),
-        ({"prompt": "hi", "echo": True}, "echo is not implemented by atom"),
-        ({"prompt": "hi", "logprobs": 5}, "logprobs is not implemented by atom"),
-        ({"prompt": "hi", "logprobs": 0}, "logprobs is not implemented by atom"),
+        ({"prompt": "hi", "echo": 1}, "echo: Input should be a valid boolean"),
+        (
+            {"prompt": "hi", "logprobs": 21},
+            "logprobs: Input should be less than or equal to 20",
+        ),
         ({"prompt": "hi", "max_tokens": "5"}, "max_tokens: Input should be a valid"),
         ({"prompt": "hi", "max_tokens": True}, "max_tokens: Input should be a valid"),
         ({"prompt": "hi", "n": True}, "n: Input should be a valid integer"),
@@ -84,20 +83,27 @@ def test_completion_request_fills_params_and_takes_the_off_values():
     assert params.stop == ["\n\n"] and params.seed == 1234 and params.ignore_eos
 
 
+def test_penalties_bias_and_token_stops_fill_params():
+    fields = {"frequency_penalty": 0.5, "presence_penalty": -1, "min_tokens": 2}
+    fields |= {"repetition_penalty": 1.1, "logit_bias": {"5": -100, "7": 3}}
+    request = CompletionRequest.model_validate(
+        {"prompt": "hi", "stop_token_ids": [9], **fields}
+    )
+    params = SamplingParams(**request.sampling_kwargs(default_max_tokens=4))
+    assert (params.frequency_penalty, params.presence_penalty) == (0.5, -1.0)
+    assert params.repetition_penalty == 1.1 and params.min_tokens == 2
+    assert params.logit_bias == {5: -100.0, 7: 3.0}
+    assert params.stop_token_ids == [9] and params.adjusts_logits
+    assert not SamplingParams(frequency_penalty=0, logit_bias={}).adjusts_logits
+
+
 @pytest.mark.parametrize(
     "model, field, value",
     [
-        (CompletionRequest, "frequency_penalty", 0.5),
-        (CompletionRequest, "presence_penalty", -1),
-        (CompletionRequest, "frequency_penalty", False),
-        (CompletionRequest, "logit_bias", {"5": -100}),
-        (CompletionRequest, "best_of", 2),
-        (CompletionRequest, "best_of", True),
         (CompletionRequest, "suffix", ""),
         (ChatCompletionRequest, "tools", []),
         (ChatCompletionRequest, "tool_choice", "auto"),
         (ChatCompletionRequest, "response_format", {"type": "json_object"}),
-        (ChatCompletionRequest, "top_logprobs", 0),
         (ChatCompletionRequest, "reasoning_effort", "low"),
     ],
 )
@@ -109,7 +115,7 @@ def test_unimplemented_field_is_refused_by_name(model, field, value):
 @pytest.mark.parametrize(
     "body, expected",
     [
-        ({"prompt": "hi", "min_tokens": 3}, "min_tokens: unknown field"),
+        ({"prompt": "hi", "best_of_n": 3}, "best_of_n: unknown field"),
         ({"prompt": "hi", "stream_options": {"x": 1}}, "stream_options.x: unknown"),
         ({"prompt": 12}, "prompt: Input should be a valid string or"),
         ({"prompt": "hi", "stop": 5}, "stop: Input should be a valid string or"),
@@ -187,8 +193,8 @@ def test_chat_without_messages_or_with_images_is_a_value_error():
     [
         ({"messages": "hi"}, "messages: Input should be a valid list"),
         ({"messages": [{"content": "hi"}]}, "messages.0.role: Field required"),
-        ({"messages": [], "logprobs": True}, "logprobs is not implemented by atom"),
-        ({"messages": [], "n": 3}, "n must be 1"),
+        ({"messages": [], "top_logprobs": 1}, "top_logprobs needs logprobs: true"),
+        ({"messages": [], "n": 0}, "n: Input should be greater than or equal to 1"),
     ],
 )
 def test_chat_request_errors_name_the_field(body, expected):

@@ -1,18 +1,21 @@
-"""On a CUDA device: sampling, verification and the Markov decode never wait for
-the device, a step copies to the host once, and CUDA draws what CPU draws.
+"""On a CUDA device: sampling, verification, logit adjustments, logprobs and the
+Markov decode never wait for the device, a step copies to the host once (logprobs
+add two copies), and CUDA draws what CPU draws.
 
 Skipped without CUDA. torch's sync debug mode turns every synchronising call
 (.item(), .tolist(), nonzero, a blocking copy) into an error or a warning.
 """
 
 import warnings
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import pytest
 import torch
 
-from atom.model_engine.batch import SeqWork
+from atom.model_engine.batch import LogitAdjustWork, SeqWork
 from atom.model_engine.step_sampler import StepSampler
+from atom.model_ops.logit_adjust import LogitAdjustments
+from atom.model_ops.logprobs import LogprobRequest
 from atom.model_ops.rejection_sampler import verify_drafts
 from atom.model_ops.sampler import sample_tokens
 from atom.model_ops.sampling_metadata import SamplingMetadata
@@ -75,8 +78,43 @@ def test_batched_sampling_verification_and_drafting_never_synchronise():
         markov_decode(logits[:, :WIDTH], anchors, positions, head.bias, sampling)
 
 
+def adjust_work(s: int) -> LogitAdjustWork | None:
+    """Penalties, bias and min_tokens on two of every three sequences."""
+    if s % 3 == 0:
+        return None
+    return LogitAdjustWork(
+        frequency_penalty=0.5,
+        presence_penalty=0.2,
+        repetition_penalty=1.1,
+        logit_bias={s: -100.0, s + 1: 5.0},
+        min_tokens=4,
+        banned_until_min_tokens=[0, 1],
+        output_token_ids=[3, 4, 3],
+        prompt_token_ids=[5, 6],
+        num_output_tokens=3,
+    )
+
+
 @torch.inference_mode()
-def test_a_step_copies_to_the_host_once():
+def test_logit_adjustments_and_logprobs_never_synchronise_and_match_cpu():
+    got = {}
+    for device in ("cpu", "cuda"):
+        logits, drafts, _, counts, _ = inputs(device)
+        adjust = LogitAdjustments.build([adjust_work(s) for s in range(SEQS)], device)
+        wanted = LogprobRequest.build([s % 2 or None for s in range(SEQS)], device)
+        with sync_debug("error") if device == "cuda" else nullcontext():
+            adjusted = adjust.apply(logits, drafts, counts)
+            logprobs = wanted.compute(adjusted, drafts.new_zeros(SEQS, WIDTH + 1))
+        got[device] = [adjusted.cpu(), *(t.cpu() for t in logprobs)]
+    for cpu, cuda in zip(got["cpu"], got["cuda"]):
+        if cpu.is_floating_point():
+            torch.testing.assert_close(cuda, cpu, rtol=1e-4, atol=1e-4)
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("logprobs, copies", [(None, 1), (2, 3)])
+def test_a_step_copies_to_the_host_once(logprobs, copies):
+    """With adjustments on, once; logprobs add their two copies."""
     works = [
         SeqWork(
             seq_id=s,
@@ -89,6 +127,8 @@ def test_a_step_copies_to_the_host_once():
             top_k=SETTINGS["top_ks"][s],
             top_p=SETTINGS["top_ps"][s],
             seed=SETTINGS["seeds"][s],
+            logit_adjust=adjust_work(s),
+            logprobs=logprobs,
         )
         for s in range(SEQS)
     ]
@@ -102,7 +142,7 @@ def test_a_step_copies_to_the_host_once():
         warnings.simplefilter("always")
         choices = sampler.step(logits, sampling)
     synchronising = [w for w in caught if "synchroniz" in str(w.message)]
-    assert len(synchronising) == 1, [str(w.message) for w in synchronising]
+    assert len(synchronising) == copies, [str(w.message) for w in synchronising]
     assert len(choices) == SEQS
 
 

@@ -25,11 +25,18 @@ from pydantic import (
     model_validator,
 )
 
-from atom.sampling_params import MAX_SEED, SEED_RULE
+from atom.sampling_params import MAX_SEED, MAX_TOP_LOGPROBS, SEED_RULE
 
 TokenId = Annotated[StrictInt, Field(ge=0)]
 # NaN and infinity are refused here: Python's JSON parser accepts `NaN`.
 FiniteFloat = Annotated[StrictFloat, Field(allow_inf_nan=False)]
+FiniteNumber = StrictInt | FiniteFloat
+Penalty = Annotated[FiniteNumber, Field(ge=-2, le=2)]
+Bias = Annotated[FiniteNumber, Field(ge=-100, le=100)]
+# The most choices one request may ask for (n, or best_of, times its prompts).
+MAX_CHOICES = 128
+ChoiceCount = Annotated[StrictInt, Field(ge=1, le=MAX_CHOICES)]
+TopCount = Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)]
 # OpenAI's default for /v1/completions when a request names no max_tokens.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
@@ -42,14 +49,7 @@ def random_id(prefix: str) -> str:
 # nothing (served), and how the refusal describes it. Any other value is a 400.
 UNIMPLEMENTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     # `type(v)`, not isinstance: `false` is no number, though False == 0 in Python.
-    "frequency_penalty": (lambda v: type(v) in (int, float) and v == 0, "0"),
-    "presence_penalty": (lambda v: type(v) in (int, float) and v == 0, "0"),
-    "logit_bias": (lambda v: v == {}, "{}"),
-    "best_of": (lambda v: type(v) is int and v == 1, "1"),
-    "echo": (lambda v: v is False, "false"),
     "suffix": (lambda v: False, "null"),
-    "logprobs": (lambda v: v is False, "null (chat: false)"),
-    "top_logprobs": (lambda v: False, "null"),
     "tools": (lambda v: False, "null"),
     "tool_choice": (lambda v: False, "null"),
     "functions": (lambda v: False, "null"),
@@ -117,33 +117,41 @@ class OpenAIRequest(BaseModel):
     temperature: FiniteFloat | None = Field(default=None, ge=0)
     top_k: StrictInt | None = None
     top_p: FiniteFloat | None = None
-    max_tokens: StrictInt | None = Field(default=None, gt=0)
-    max_completion_tokens: StrictInt | None = Field(default=None, gt=0)
+    # 0 asks for no tokens: served only by /v1/completions with echo (serving.py).
+    max_tokens: StrictInt | None = Field(default=None, ge=0)
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=0)
     stop: str | list[str] | None = None
     ignore_eos: StrictBool = False
     seed: StrictInt | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    n: StrictInt = 1
+    n: ChoiceCount = 1
     # An end-user id for the provider's abuse monitoring; it never changes output.
     user: str | None = None
     # P/D (docs/pd.md): `{"do_remote_decode": true}` to a producer, the producer's
     # reply (plus `remote_url`) to a consumer; the router sets them.
     kv_transfer_params: dict[str, Any] | None = None
-    frequency_penalty: Any = None
-    presence_penalty: Any = None
-    logit_bias: Any = None
+    frequency_penalty: Penalty | None = None
+    presence_penalty: Penalty | None = None
+    # vLLM's extensions: > 1 discourages every token of the prompt and the output.
+    repetition_penalty: FiniteNumber | None = Field(default=None, gt=0)
+    # OpenAI sends the token ids as JSON object keys, so as strings.
+    logit_bias: dict[str, Bias] | None = None
+    min_tokens: StrictInt | None = Field(default=None, ge=0)
+    stop_token_ids: list[TokenId] | None = None
 
-    _unimplemented = field_validator(
-        "frequency_penalty", "presence_penalty", "logit_bias"
-    )(refuse_unimplemented)
-
-    @field_validator("n")
+    @field_validator("logit_bias")
     @classmethod
-    def _single_choice(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError(f"n must be 1 (atom returns one choice), got {n}")
-        return n
+    def _bias_keys_are_token_ids(
+        cls, bias: dict[str, float] | None
+    ) -> dict[str, float] | None:
+        bad = [key for key in bias or {} if not key.isdigit()]
+        if bad:
+            raise ValueError(
+                f"logit_bias keys must be token ids (non-negative integers), got "
+                f"{bad[:5]}"
+            )
+        return bias
 
     @field_validator("seed")
     @classmethod
@@ -152,16 +160,39 @@ class OpenAIRequest(BaseModel):
             raise ValueError(f"seed must be {SEED_RULE}, got {seed}")
         return seed
 
+    def logprobs_wanted(self) -> int | None:
+        """SamplingParams.logprobs: the top count, or None for no logprobs."""
+        return None
+
+    def prompt_logprobs_wanted(self) -> int | None:
+        """SamplingParams.prompt_logprobs: the top count, or None."""
+        return None
+
+    def requested_max_tokens(self) -> int | None:
+        """max_completion_tokens, else max_tokens, else None (the default)."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
+
+    def max_tokens_field(self) -> str:
+        """The name of the field requested_max_tokens comes from, for messages."""
+        if self.max_completion_tokens is not None:
+            return "max_completion_tokens"
+        return "max_tokens"
+
     def include_usage_in_stream(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
     def sampling_kwargs(self, default_max_tokens: int) -> dict[str, Any]:
         """Keyword arguments for `SamplingParams`; unset fields keep its defaults."""
+        max_tokens = self.requested_max_tokens()
         kwargs: dict[str, Any] = {
-            "max_tokens": self.max_completion_tokens
-            or self.max_tokens
-            or default_max_tokens,
+            # A request for 0 tokens runs one, which the server leaves out.
+            "max_tokens": (
+                default_max_tokens if max_tokens is None else max(max_tokens, 1)
+            ),
             "ignore_eos": self.ignore_eos,
+            "prompt_logprobs": self.prompt_logprobs_wanted(),
         }
         optional = {
             "temperature": self.temperature,
@@ -169,6 +200,17 @@ class OpenAIRequest(BaseModel):
             "top_p": self.top_p,
             "stop": self.stop,
             "seed": self.seed,
+            "frequency_penalty": self.frequency_penalty,
+            "presence_penalty": self.presence_penalty,
+            "repetition_penalty": self.repetition_penalty,
+            "logit_bias": (
+                None
+                if self.logit_bias is None
+                else {int(key): value for key, value in self.logit_bias.items()}
+            ),
+            "min_tokens": self.min_tokens,
+            "stop_token_ids": self.stop_token_ids,
+            "logprobs": self.logprobs_wanted(),
         }
         kwargs.update({k: v for k, v in optional.items() if v is not None})
         return kwargs
@@ -177,14 +219,32 @@ class OpenAIRequest(BaseModel):
 class CompletionRequest(OpenAIRequest):
     # A batch (list of strings or of token-id lists) yields one choice per prompt.
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
-    echo: Any = None
-    logprobs: Any = None
-    best_of: Any = None
+    # Prepend the prompt to the text (and, with logprobs, its tokens' logprobs).
+    echo: StrictBool = False
+    # The number of likeliest alternatives per token (0: the token's own only).
+    logprobs: TopCount | None = None
+    # Generate best_of choices per prompt and return the n of the highest
+    # cumulative logprob.
+    best_of: ChoiceCount | None = None
     suffix: Any = None
 
-    _unimplemented_here = field_validator("echo", "logprobs", "best_of", "suffix")(
-        refuse_unimplemented
-    )
+    _unimplemented_here = field_validator("suffix")(refuse_unimplemented)
+
+    @field_validator("best_of")
+    @classmethod
+    def _at_least_n(cls, best_of: int | None, info: ValidationInfo) -> int | None:
+        n = info.data.get("n", 1)
+        if best_of is not None and best_of < n:
+            raise ValueError(f"best_of must be >= n = {n}, got {best_of}")
+        if best_of is not None and best_of > n and info.data.get("stream"):
+            raise ValueError("best_of must equal n when streaming")
+        return best_of
+
+    def logprobs_wanted(self) -> int | None:
+        return self.logprobs
+
+    def prompt_logprobs_wanted(self) -> int | None:
+        return self.logprobs if self.echo else None
 
     @field_validator("prompt")
     @classmethod
@@ -245,8 +305,8 @@ class ChatCompletionRequest(OpenAIRequest):
     messages: list[ChatMessage] | None = None
     prompt: str | None = None  # accepted as an alias for a single user message
     chat_template_kwargs: dict[str, Any] | None = None
-    logprobs: Any = None
-    top_logprobs: Any = None
+    logprobs: StrictBool = False
+    top_logprobs: TopCount | None = None
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None
@@ -255,8 +315,6 @@ class ChatCompletionRequest(OpenAIRequest):
     reasoning_effort: Any = None
 
     _unimplemented_here = field_validator(
-        "logprobs",
-        "top_logprobs",
         "tools",
         "tool_choice",
         "functions",
@@ -264,6 +322,18 @@ class ChatCompletionRequest(OpenAIRequest):
         "response_format",
         "reasoning_effort",
     )(refuse_unimplemented)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_needs_logprobs(
+        cls, top: int | None, info: ValidationInfo
+    ) -> int | None:
+        if top is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true")
+        return top
+
+    def logprobs_wanted(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def chat_messages(self) -> list[dict[str, str]]:
         """Messages as plain role/content dicts for a chat template."""
@@ -288,13 +358,23 @@ class UsageInfo(BaseModel):
         )
 
 
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy shape: parallel lists, one entry per token."""
+
+    tokens: list[str] = Field(default_factory=list)
+    # None for a prompt's first token, which nothing predicts.
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     # The generated ids (in a stream: this chunk's); set when the server runs
     # without a tokenizer (--skip-tokenizer-init), whose text is always empty.
     token_ids: list[int] | None = None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -312,10 +392,24 @@ class ChatResponseMessage(BaseModel):
     content: str
 
 
+class ChatTopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(ChatTopLogprob):
+    top_logprobs: list[ChatTopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob]
+
+
 class ChatChoice(BaseModel):
     index: int
     message: ChatResponseMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -331,7 +425,7 @@ class ChatCompletionResponse(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int
     delta: dict[str, str]  # only the keys that changed: role first, then content
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 

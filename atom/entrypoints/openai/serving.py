@@ -9,6 +9,7 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from dataclasses import replace
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -16,16 +17,31 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from atom.entrypoints.openai.async_engine import AsyncEngine, EngineDeadError
+from atom.entrypoints.openai.choices import (
+    best_of_each,
+    close_all,
+    merged,
+    params_per_choice,
+    without_output,
+)
+from atom.entrypoints.openai.logprob_format import (
+    chat_logprobs,
+    completion_logprobs,
+    token_texts,
+)
 from atom.entrypoints.openai.metrics import ServerMetrics
 from atom.entrypoints.openai.protocol import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
+    MAX_CHOICES,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
+    ChatLogprobs,
     ChatResponseMessage,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     ErrorInfo,
@@ -35,6 +51,7 @@ from atom.entrypoints.openai.protocol import (
     format_validation_error,
     random_id,
 )
+from atom.model_ops.token_logprob import TokenLogprob
 from atom.sampling_params import SamplingParams
 from atom.utils.arithmetic import ceil_div
 from atom.utils.tokenizer import apply_chat_template, max_bytes_per_token
@@ -158,47 +175,80 @@ class OpenAIServing:
         self.default_chat_template_kwargs = default_chat_template_kwargs or {}
         # None: this tokenizer gives no bound, and text is judged once tokenized.
         self.max_bytes_per_token = max_bytes_per_token(engine.tokenizer)
+        self.text_of = token_texts(engine.tokenizer)
 
     # ---- endpoints ----
 
     async def completions(self, request: Request):
         body = await self._parse(request, CompletionRequest)
+        no_tokens = body.requested_max_tokens() == 0
+        if no_tokens and not body.echo:
+            raise APIError(
+                400,
+                f"{body.max_tokens_field()}: 0 asks for no tokens; it is served only "
+                "with echo: true (the prompt and its logprobs)",
+            )
+        if body.echo and body.stream:
+            raise APIError(400, "echo: not supported with stream: true")
         params = self._sampling_params(body, COMPLETIONS_DEFAULT_MAX_TOKENS)
         prompts = body.prompts()
         for prompt in prompts:
             self._check_token_ids(prompt)
             self._check_text_size(prompt, params.max_tokens)
-        request_id = random_id("cmpl")
-        if body.kv_transfer_params is not None and len(prompts) != 1:
-            raise APIError(400, "kv_transfer_params: P/D takes a single prompt")
-        if not body.stream:
-            outputs = await unless_disconnected(
-                request, self._run_all(prompts, params, request_id, body)
+        best_of = body.best_of or body.n
+        if len(prompts) * best_of > MAX_CHOICES:
+            raise APIError(
+                400,
+                f"{'best_of' if body.best_of else 'n'}: {len(prompts)} prompts x "
+                f"{best_of} choices exceed {MAX_CHOICES} choices per request",
             )
+        ranked = best_of > body.n and params.logprobs is None
+        # Ranking needs every candidate's logprobs, asked for or not.
+        per_choice = params_per_choice(
+            replace(params, logprobs=0) if ranked else params, best_of
+        )
+        request_id = random_id("cmpl")
+        self._check_transfer(body, len(prompts) * best_of)
+        if not body.stream:
+            # Choice index = prompt index x n + choice, as in the OpenAI API.
+            jobs = [(prompt, choice) for prompt in prompts for choice in per_choice]
+            outputs = await unless_disconnected(
+                request, self._run_all(jobs, request_id, body.kv_transfer_params)
+            )
+            if no_tokens:
+                outputs = [without_output(o) for o in outputs]
+            # Usage counts every generated candidate, each prompt once.
+            usage = self._usage(outputs, best_of)
+            outputs = best_of_each(outputs, best_of, body.n)
+            if ranked:
+                outputs = [replace(o, logprobs=None) for o in outputs]
+            prompt_of = [prompt for prompt in prompts for _ in range(body.n)]
             choices = [
-                CompletionChoice(
-                    index=i,
-                    text=o.text,
-                    token_ids=self._ids(o.output_token_ids),
-                    finish_reason=o.finish_reason,
-                )
+                self._completion_choice(i, o, prompt_of[i] if body.echo else None)
                 for i, o in enumerate(outputs)
             ]
             response = CompletionResponse(
                 id=request_id,
                 model=self.served_model_name,
                 choices=choices,
-                usage=self._usage(outputs),
+                usage=usage,
             )
             return JSONResponse(with_transfer_params(response, outputs[0]))
         if len(prompts) != 1:
             raise APIError(400, "prompt: streaming accepts a single prompt")
 
-        def chunk(output: Any, finish_reason: str | None) -> CompletionResponse:
+        def chunk(
+            index: int, output: Any, finish_reason: str | None
+        ) -> CompletionResponse:
             choice = CompletionChoice(
-                index=0,
+                index=index,
                 text=output.new_text,
                 token_ids=self._ids(output.new_token_ids),
+                logprobs=self._completion_logprobs(
+                    output.new_logprobs,
+                    output.new_token_ids,
+                    len(output.text) - len(output.new_text),
+                ),
                 finish_reason=finish_reason,
             )
             return CompletionResponse(
@@ -211,7 +261,7 @@ class OpenAIServing:
             )
 
         return await self._stream(
-            request, body, prompts[0], params, request_id, [], chunk, usage_chunk
+            request, body, prompts[0], per_choice, request_id, [], chunk, usage_chunk
         )
 
     async def chat_completions(self, request: Request):
@@ -242,30 +292,46 @@ class OpenAIServing:
         room = self.engine.max_model_len - len(prompt)
         # At least 1, so that a prompt with no room left gets the engine's message.
         default_max_tokens = max(1, min(CHAT_DEFAULT_MAX_TOKENS, room))
+        if body.requested_max_tokens() == 0:
+            raise APIError(
+                400,
+                f"{body.max_tokens_field()}: must be >= 1 (0 is served only by "
+                "/v1/completions with echo: true)",
+            )
         params = self._sampling_params(body, default_max_tokens)
+        per_choice = params_per_choice(params, body.n)
         request_id = random_id("chatcmpl")
+        self._check_transfer(body, body.n)
         if not body.stream:
-            (output,) = await unless_disconnected(
-                request, self._run_all([prompt], params, request_id, body)
+            jobs = [(prompt, choice) for choice in per_choice]
+            outputs = await unless_disconnected(
+                request, self._run_all(jobs, request_id, body.kv_transfer_params)
             )
-            choice = ChatChoice(
-                index=0,
-                message=ChatResponseMessage(content=output.text),
-                finish_reason=output.finish_reason,
-            )
+            choices = [
+                ChatChoice(
+                    index=i,
+                    message=ChatResponseMessage(content=output.text),
+                    logprobs=self._chat_logprobs(output.logprobs),
+                    finish_reason=output.finish_reason,
+                )
+                for i, output in enumerate(outputs)
+            ]
             response = ChatCompletionResponse(
                 id=request_id,
                 model=self.served_model_name,
-                choices=[choice],
-                usage=self._usage([output]),
+                choices=choices,
+                usage=self._usage(outputs, body.n),
             )
-            return JSONResponse(with_transfer_params(response, output))
+            return JSONResponse(with_transfer_params(response, outputs[0]))
 
-        def chunk(output: Any, finish_reason: str | None) -> ChatCompletionChunk:
+        def chunk(
+            index: int, output: Any, finish_reason: str | None
+        ) -> ChatCompletionChunk:
             text = output.new_text
             choice = ChatChunkChoice(
-                index=0,
+                index=index,
                 delta={"content": text} if text else {},
+                logprobs=self._chat_logprobs(output.new_logprobs),
                 finish_reason=finish_reason,
             )
             return ChatCompletionChunk(
@@ -277,14 +343,18 @@ class OpenAIServing:
                 id=request_id, model=self.served_model_name, choices=[], usage=usage
             )
 
-        role = ChatChunkChoice(index=0, delta={"role": "assistant", "content": ""})
         opening = [
             ChatCompletionChunk(
-                id=request_id, model=self.served_model_name, choices=[role]
+                id=request_id,
+                model=self.served_model_name,
+                choices=[
+                    ChatChunkChoice(index=i, delta={"role": "assistant", "content": ""})
+                ],
             )
+            for i in range(body.n)
         ]
         return await self._stream(
-            request, body, prompt, params, request_id, opening, chunk, usage_chunk
+            request, body, prompt, per_choice, request_id, opening, chunk, usage_chunk
         )
 
     # ---- helpers ----
@@ -317,11 +387,67 @@ class OpenAIServing:
         self, body: OpenAIRequest, default_max_tokens: int
     ) -> SamplingParams:
         try:
-            return SamplingParams(**body.sampling_kwargs(default_max_tokens))
+            params = SamplingParams(**body.sampling_kwargs(default_max_tokens))
         except (ValueError, TypeError) as error:
             # Its messages say `SamplingParams.top_p`; the request calls it `top_p`.
             message = str(error).removeprefix(f"{SamplingParams.__name__}.")
             raise APIError(400, message) from None
+        named = {
+            "logit_bias": params.logit_bias,
+            "stop_token_ids": params.stop_token_ids,
+        }
+        for field, token_ids in named.items():
+            bad = [t for t in token_ids or () if t >= self.engine.vocab_size]
+            if bad:
+                raise APIError(
+                    400,
+                    f"{field}: token ids {bad[:5]} are outside the vocabulary "
+                    f"(size {self.engine.vocab_size})",
+                )
+        return params
+
+    def _completion_choice(
+        self, index: int, output: Any, echoed: str | list[int] | None
+    ) -> CompletionChoice:
+        """A finished choice; with `echoed` (the prompt as sent) the prompt leads
+        its text, ids and logprobs (the prompt's own logprobs, the first None)."""
+        text, token_ids, logprobs = (
+            output.text,
+            output.output_token_ids,
+            output.logprobs,
+        )
+        if echoed is not None:
+            prompt_ids = output.prompt_token_ids
+            prompt_text = echoed if isinstance(echoed, str) else self._text(prompt_ids)
+            text, token_ids = prompt_text + text, prompt_ids + token_ids
+            if logprobs is not None:
+                logprobs = output.prompt_logprobs + logprobs
+        return CompletionChoice(
+            index=index,
+            text=text,
+            token_ids=self._ids(token_ids),
+            logprobs=self._completion_logprobs(logprobs, token_ids),
+            finish_reason=output.finish_reason,
+        )
+
+    def _text(self, token_ids: list[int]) -> str:
+        tokenizer = self.engine.tokenizer
+        return "" if tokenizer is None else tokenizer.decode(token_ids)
+
+    def _completion_logprobs(
+        self,
+        logprobs: list[TokenLogprob | None] | None,
+        token_ids: list[int],
+        text_offset: int = 0,
+    ) -> CompletionLogprobs | None:
+        if logprobs is None:
+            return None
+        return completion_logprobs(logprobs, token_ids, self.text_of, text_offset)
+
+    def _chat_logprobs(
+        self, logprobs: list[TokenLogprob] | None
+    ) -> ChatLogprobs | None:
+        return None if logprobs is None else chat_logprobs(logprobs, self.text_of)
 
     def _ids(self, token_ids: list[int]) -> list[int] | None:
         """Token ids for a response: only a server without a tokenizer sends them."""
@@ -344,13 +470,21 @@ class OpenAIServing:
         prompt: str | list[int],
         params: SamplingParams,
         request_id: str,
-        body: OpenAIRequest,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> AsyncGenerator[Any, None]:
         """The engine's outputs for one prompt, observed by the server metrics."""
         outputs = self.engine.generate(
-            prompt, params, request_id, kv_transfer_params=body.kv_transfer_params
+            prompt, params, request_id, kv_transfer_params=kv_transfer_params
         )
         return self.metrics.track(outputs)
+
+    @staticmethod
+    def _check_transfer(body: OpenAIRequest, num_choices: int) -> None:
+        """P/D moves one sequence's KV: one prompt, one choice."""
+        if body.kv_transfer_params is not None and num_choices != 1:
+            raise APIError(
+                400, "kv_transfer_params: P/D takes a single prompt and one choice"
+            )
 
     def _check_text_size(self, prompt: str | list[int], max_tokens: int) -> None:
         """Refuse a text prompt that cannot fit the context on its size alone.
@@ -375,23 +509,26 @@ class OpenAIServing:
 
     async def _run_all(
         self,
-        prompts: list[str | list[int]],
-        params: SamplingParams,
+        jobs: list[tuple[str | list[int], SamplingParams]],
         request_id: str,
-        body: OpenAIRequest,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> list[Any]:
-        """Final outputs of all prompts, run concurrently; one failure cancels all."""
+        """Final outputs of all (prompt, params) jobs, run concurrently; one failure
+        cancels all."""
 
-        async def final_output(index: int, prompt: str | list[int]) -> Any:
+        async def final_output(index: int, prompt: str | list[int], params) -> Any:
             final = None
-            suffix = f"-{index}" if len(prompts) > 1 else ""
-            outputs = self._generate(prompt, params, request_id + suffix, body)
+            suffix = f"-{index}" if len(jobs) > 1 else ""
+            outputs = self._generate(
+                prompt, params, request_id + suffix, kv_transfer_params
+            )
             async for output in outputs:
                 final = output
             return final
 
         tasks = [
-            asyncio.ensure_future(final_output(i, p)) for i, p in enumerate(prompts)
+            asyncio.ensure_future(final_output(i, prompt, params))
+            for i, (prompt, params) in enumerate(jobs)
         ]
         try:
             return await asyncio.gather(*tasks)
@@ -402,9 +539,11 @@ class OpenAIServing:
                 task.cancel()
 
     @staticmethod
-    def _usage(outputs: list[Any]) -> UsageInfo:
+    def _usage(outputs: list[Any], choices_per_prompt: int) -> UsageInfo:
+        """Every choice's generated tokens, and each prompt's tokens once (its
+        choices are consecutive outputs)."""
         return UsageInfo.of(
-            sum(len(o.prompt_token_ids) for o in outputs),
+            sum(len(o.prompt_token_ids) for o in outputs[::choices_per_prompt]),
             sum(len(o.output_token_ids) for o in outputs),
         )
 
@@ -413,45 +552,65 @@ class OpenAIServing:
         request: Request,
         body: OpenAIRequest,
         prompt: str | list[int],
-        params: SamplingParams,
+        per_choice: list[SamplingParams],
         request_id: str,
         opening: list[BaseModel],
-        chunk: Callable[[Any, str | None], BaseModel],
+        chunk: Callable[[int, Any, str | None], BaseModel],
         usage_chunk: Callable[[UsageInfo], BaseModel],
     ) -> StreamingResponse:
-        outputs = self._generate(prompt, params, request_id, body)
+        """One SSE stream of every choice's chunks, each naming its choice index;
+        the usage chunk (summed over the choices) and [DONE] follow the last."""
+        several = len(per_choice) > 1
+        streams = [
+            self._generate(
+                prompt,
+                params,
+                request_id + (f"-{i}" if several else ""),
+                body.kv_transfer_params,
+            )
+            for i, params in enumerate(per_choice)
+        ]
+        starts = [asyncio.ensure_future(anext(stream)) for stream in streams]
         try:
-            # Waiting for the first output means a rejected prompt still gets a
+            # Waiting for the first outputs means a rejected prompt still gets a
             # proper 4xx status instead of an error inside a 200 stream.
-            first = await unless_disconnected(request, anext(outputs))
-        except Exception as error:
-            raise error_for(error) from None
+            firsts = await unless_disconnected(request, asyncio.gather(*starts))
+        except BaseException as error:
+            await close_all(streams, starts)
+            if isinstance(error, Exception):
+                raise error_for(error) from None
+            raise
         include_usage = body.include_usage_in_stream()
 
         async def frames() -> AsyncIterator[str]:
             pending = "".join(sse_frame(c) for c in opening)
-            output = first
+            finals: dict[int, Any] = {}
             try:
-                while True:
+                async for index, output in merged(streams, firsts):
                     if output.finished:
-                        last = chunk(output, output.finish_reason)
-                        final = pending + sse_frame(with_transfer_params(last, output))
+                        finals[index] = output
+                        last = chunk(index, output, output.finish_reason)
+                        pending += sse_frame(with_transfer_params(last, output))
+                        if len(finals) < len(streams):
+                            continue
                         if include_usage:
-                            final += sse_frame(usage_chunk(self._usage([output])))
-                        yield final + SSE_DONE
+                            usage = self._usage(list(finals.values()), len(finals))
+                            pending += sse_frame(usage_chunk(usage))
+                        yield pending + SSE_DONE
                         return
-                    if output.new_text or self._ids(output.new_token_ids):
-                        yield pending + sse_frame(chunk(output, None))
+                    if (
+                        output.new_text
+                        or self._ids(output.new_token_ids)
+                        or output.new_logprobs
+                    ):
+                        yield pending + sse_frame(chunk(index, output, None))
                         pending = ""
-                    output = await anext(outputs)
             except Exception as error:
                 failure = error_for(error)
                 info = ErrorInfo(
                     message=failure.message, type=failure.kind, code=failure.status
                 )
                 yield sse_frame(ErrorResponse(error=info)) + SSE_DONE
-            finally:
-                await outputs.aclose()
 
         return StreamingResponse(
             frames(),
