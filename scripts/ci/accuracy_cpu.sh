@@ -5,12 +5,14 @@
 #
 # lm-eval's own local-completions model runs the kjv_next_word task
 # (scripts/ci/tasks/kjv_next_word.yaml: held-out verses shipped in the repository,
-# no download) three times, against servers started by scripts/ci/serve.sh:
+# no download) three times, and the kjv_choice task (four-way multiple choice over
+# the same documents, lm-eval's loglikelihood path) in the first two, against servers started by scripts/ci/serve.sh:
 # target-only at pp1 x tp1, with the DSpark draft (T = 7) at pp2 x tp2, and P/D
 # (docs/pd.md): a DSpark producer at pp2 x tp2 and a DSpark consumer at tp2 behind
 # the router (scripts/ci/pd_proxy.sh), over Mooncake's tcp loopback.
 # Gates (scripts/ci/gate.py):
 #   - every score reaches twice the chance level the task states;
+#   - kjv_choice scores the same target-only and with DSpark at pp2 x tp2;
 #   - the DSpark and the P/D scores equal the target-only score (greedy speculation
 #     is lossless, and so is moving the KV);
 #   - DSpark and P/D (consumer) acceptance reach the recorded figure minus 2 points
@@ -42,7 +44,7 @@ print(free_port())'
 port="$(free_port)"
 
 evaluate() {
-  local name="$1" flags="$2" dir="$out/$1" start
+  local name="$1" flags="$2" tasks="$3" dir="$out/$1" start
   rm -rf "$dir"
   mkdir -p "$dir"
   start="$(date +%s)"
@@ -52,7 +54,7 @@ evaluate() {
     "$python" -m scripts.ci.watchdog --log "$dir/server.log" --idle 180 --limit 900 -- \
     "$python" -m lm_eval --model local-completions \
     --model_args "model=$model,base_url=http://127.0.0.1:$port/v1/completions,num_concurrent=64,max_retries=3,tokenized_requests=False,trust_remote_code=True" \
-    --include_path scripts/ci/tasks --tasks kjv_next_word \
+    --include_path scripts/ci/tasks --tasks "$tasks" \
     --output_path "$dir/lm_eval" --log_samples
   echo "accuracy_cpu: $name served and evaluated in $(($(date +%s) - start)) s"
 }
@@ -82,8 +84,11 @@ evaluate_pd() {
   echo "accuracy_cpu: pd served and evaluated in $(($(date +%s) - start)) s"
 }
 
-evaluate target ""
-evaluate dspark "-pp 2 -tp 2 --method dspark --draft-model $draft --num-speculative-tokens 7"
+# kjv_choice (loglikelihood, through echo with prompt logprobs) beside the
+# generation task; P/D runs generation only (it moves a sequence to decode).
+evaluate target "" kjv_next_word,kjv_choice
+evaluate dspark "-pp 2 -tp 2 --method dspark --draft-model $draft --num-speculative-tokens 7" \
+  kjv_next_word,kjv_choice
 evaluate_pd
 
 common=(--task kjv_next_word --metric "exact_match,first-word" --num-fewshot 0
@@ -108,6 +113,15 @@ status=0
   --server-log "$out/pd/server.log" --mtp-stats "$out/pd/mtp_stats.json" \
   --expect-marker relay=0 --expect-marker kda_rollback=2 \
   --summary "$out/pd/gate.json" || status=1
+choice=(--task kjv_choice --metric "acc,none" --num-fewshot 0
+  --num-samples "$num_docs" --min-over-chance 2)
+"$python" -m scripts.ci.gate --name "tiny-kimi-k3 kjv_choice target-only pp1 x tp1" \
+  --results "$out/target/lm_eval" "${choice[@]}" \
+  --summary "$out/target/gate_choice.json" || status=1
+"$python" -m scripts.ci.gate --name "tiny-kimi-k3 kjv_choice DSpark pp2 x tp2" \
+  --results "$out/dspark/lm_eval" "${choice[@]}" \
+  --same-score-as "$out/target/lm_eval" \
+  --summary "$out/dspark/gate_choice.json" || status=1
 if grep -q "falling back to prefill" "$out/pd/server.log"; then
   echo "accuracy_cpu: P/D requests fell back to a local prefill:" >&2
   grep "falling back to prefill" "$out/pd/server.log" | head -5 >&2

@@ -74,3 +74,22 @@ def test_lm_eval_builds_the_task_from_the_repository():
     responses = [[" the LORD said"], [", and"], ["123"]]
     filtered = RegexFilter(regex_pattern=regex).apply(responses, docs[:3])
     assert [list(r) for r in filtered] == [["the"], ["and"], ["[invalid]"]]
+
+
+def test_choice_documents_hold_the_next_word_among_four_answers():
+    from scripts.ci.tasks.kjv_choice import NUM_CHOICES, choice_docs
+
+    docs = choice_docs(DOCS)
+    assert docs == choice_docs(DOCS)  # fixed seed: every run scores the same task
+    assert len(docs) == len(DOCS)
+    for doc, source in zip(docs, DOCS):
+        assert doc["context"] == source["context"]
+        assert len(set(doc["choices"])) == NUM_CHOICES
+        assert doc["choices"][doc["label"]] == source["target"]
+    # The answer's place is spread over the four slots: no position bias to exploit.
+    slots = [sum(doc["label"] == i for doc in docs) for i in range(NUM_CHOICES)]
+    assert min(slots) > len(docs) / NUM_CHOICES / 2
+    choice_yaml = yaml.load(
+        (TASK_DIR / "kjv_choice.yaml").read_text(), Loader=TaskLoader
+    )
+    assert choice_yaml["metadata"]["chance_level"] == 1 / NUM_CHOICES
