@@ -23,6 +23,7 @@ from atom.model_engine.arg_utils import EngineArgs
 from atom.model_engine.worker import choose_backend, start_ranks
 from atom.model_loader.model_fingerprint import model_fingerprint
 from atom.utils.clean_exit import exit_cleanly_on
+from atom.utils.log_format import configure_logging
 
 logger = logging.getLogger(__name__)
 
@@ -86,9 +87,7 @@ def run_headless(args: argparse.Namespace) -> None:
 
 def run_node(args: argparse.Namespace) -> int:
     """Join node 0, run this node's ranks until the node ends; its exit status."""
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging(logging.INFO)
     try:
         config, nodes = join_as_member(args)
     except NodeLayoutError as error:

@@ -25,6 +25,8 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from atom.utils.log_format import configure_logging, uvicorn_log_config
+
 logger = logging.getLogger(__name__)
 
 # Prefill answers after one forward pass; decode streams for as long as it needs.
@@ -170,8 +172,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO)
-    uvicorn.run(build_app(args.prefill, args.decode), host=args.host, port=args.port)
+    configure_logging(logging.INFO)
+    uvicorn.run(
+        build_app(args.prefill, args.decode),
+        host=args.host,
+        port=args.port,
+        log_config=uvicorn_log_config(),
+    )
 
 
 if __name__ == "__main__":

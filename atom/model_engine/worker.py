@@ -50,6 +50,7 @@ from atom.model_engine.batch import BatchOutput, ScheduledBatch
 from atom.model_engine.model_runner import ModelRunner
 from atom.model_loader.model_fingerprint import model_fingerprint
 from atom.models.utils import language_model_of
+from atom.utils.log_format import configure_logging
 
 logger = logging.getLogger(__name__)
 
@@ -148,7 +149,7 @@ def worker_main(
     # Ctrl-C in a terminal reaches every process of its group; the engine process
     # ends its ranks itself (close()), so a rank must not stop mid-collective.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    logging.basicConfig(level=os.environ.get("ATOM_LOG_LEVEL", "INFO"))
+    configure_logging()
     channel = None
     try:
         torch.set_num_threads(1)

@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -289,6 +290,23 @@ def test_benchmark_client_against_the_server(server, tmp_path):
     assert (
         result["p99_ttft_ms"] > 0 and result["mean_e2el_ms"] >= result["mean_ttft_ms"]
     )
+
+
+def test_every_log_line_of_the_server_and_its_ranks_has_one_format(server):
+    server.post("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2})
+    log = server.log()
+    stamp = r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (DEBUG|INFO|WARNING|ERROR) "
+    # uvicorn's own access lines, the server's and a rank process's (its ledger).
+    assert re.search(
+        stamp
+        + r'uvicorn\.access: 127\.0\.0\.1:\d+ - "POST /v1/completions HTTP/1\.1" 200',
+        log,
+        re.M,
+    ), log
+    assert re.search(stamp + r"atom\.entrypoints\.", log, re.M), log
+    assert re.search(stamp + r"atom\.model_engine\.memory_ledger: \[memory", log, re.M)
+    # No line in another format: uvicorn's "INFO:     ..." or logging's "INFO:name:".
+    assert not re.search(r"^(DEBUG|INFO|WARNING|ERROR):", log, re.M), log
 
 
 def test_sigterm_shuts_down_cleanly(server):

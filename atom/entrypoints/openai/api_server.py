@@ -24,6 +24,7 @@ from atom.entrypoints.openai.serving import APIError, OpenAIServing, error_for
 from atom.model_engine.arg_utils import EngineArgs
 from atom.utils.arg_parser import FlexibleArgumentParser, positive_int
 from atom.utils.clean_exit import exit_cleanly
+from atom.utils.log_format import configure_logging, uvicorn_log_config
 
 logger = logging.getLogger(__name__)
 
@@ -296,9 +297,7 @@ def run_server(args: argparse.Namespace) -> None:
     # SystemExit it unwinds through the `finally` below, which closes the engine
     # (and its worker processes) instead of dying with them still running.
     signal.signal(signal.SIGTERM, exit_cleanly)
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging(logging.INFO)
     engine_args = EngineArgs.from_cli_args(args)
     logger.info("starting engine: %s", engine_args)
     server: uvicorn.Server | None = None
@@ -331,6 +330,7 @@ def run_server(args: argparse.Namespace) -> None:
             timeout_keep_alive=args.timeout_keep_alive,
             access_log=not args.disable_uvicorn_access_log,
             log_level="info",
+            log_config=uvicorn_log_config(),
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         )
         server = uvicorn.Server(config)
