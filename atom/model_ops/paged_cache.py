@@ -60,8 +60,7 @@ def _stored(cache: torch.Tensor) -> torch.Tensor:
 def encode_kv(
     rows: torch.Tensor, cache_dtype: torch.dtype, scale: float
 ) -> torch.Tensor:
-    """`rows` as a cache of `cache_dtype` stores them (no autograd history)."""
-    rows = rows.detach()
+    """`rows` as a cache of `cache_dtype` stores them."""
     if cache_dtype != FP8_KV_DTYPE:
         return rows.to(cache_dtype)
     scaled = rows.float() / scale
@@ -79,7 +78,8 @@ def read_back_kv(
     rows: torch.Tensor, cache: torch.Tensor, scale: float, dtype: torch.dtype
 ) -> torch.Tensor:
     """`rows` as writing them to `cache` and reading them back would give: what a
-    forward attends to for rows it does not read from the cache."""
+    forward attends to for rows it does not read from the cache. Differentiable
+    through a model-dtype cache (the training tools prefill through it)."""
     return decode_kv(encode_kv(rows, cache.dtype, scale), scale, dtype)
 
 
@@ -90,9 +90,13 @@ def write_kv(
     scale: float,
 ) -> None:
     """Store `rows` [N, D] at flat slots (block * block_size + offset), encoded
-    with the layer's `scale` when the cache is fp8."""
+    with the layer's `scale` when the cache is fp8.
+
+    Caches hold values only: what is written carries no autograd history.
+    """
+    stored = encode_kv(rows.detach(), kv_cache.dtype, scale)
     flat = _stored(kv_cache).view(-1, kv_cache.shape[-1])
-    flat.index_copy_(0, slot_mapping, _stored(encode_kv(rows, kv_cache.dtype, scale)))
+    flat.index_copy_(0, slot_mapping, _stored(stored))
 
 
 def gather_kv(
