@@ -1,8 +1,8 @@
 """Where paged attention runs: the torch reference everywhere, Triton kernels on CUDA.
 
 An MLA backend takes one layer's forward: this step's queries split into the nope
-and rope parts [N, h, *], its new latent rows [N, C + R], the layer's paged cache and its scale, and
-`kv_b_proj`'s weight; it writes the rows to their slots, attends every query row to
+and rope parts [N, h, *], its new latent rows [N, C + R], the layer's paged cache and
+its scale (`model_ops/paged_cache.py`), and `kv_b_proj`'s weight; it writes the rows to their slots, attends every query row to
 the rows its sequence holds up to its own position, and returns o [N, h, d_v] (fp32
 or the model dtype). `Config.attention_backend` (`ATOM_ATTENTION_BACKEND=
 auto|torch|triton`) picks one; auto is triton on CUDA, torch elsewhere.

@@ -28,11 +28,17 @@ pytestmark = pytest.mark.usefixtures("single_thread_torch")
 
 
 def fp8_kv_ids(
-    draft: str | None = None, target: str = TARGET, **layout
+    draft: str | None = None, target: str = TARGET, rounds: int = 1, **layout
 ) -> tuple[list[list[int]], float]:
+    """Greedy ids of PROMPTS; with `rounds` > 1 the engine serves them again from
+    its prefix cache (fp8 blocks reused as stored) and must repeat every token."""
     engine = make_engine(target, draft, kv_cache_dtype="fp8", **layout)
     try:
         ids = generate_ids(engine, PROMPTS)
+        for _ in range(rounds - 1):
+            hits = engine.get_stats()["prefix_cache_hit_tokens"]
+            assert generate_ids(engine, PROMPTS) == ids
+            assert engine.get_stats()["prefix_cache_hit_tokens"] > hits
         return ids, acceptance(engine) if draft else 0.0
     finally:
         engine.close()
@@ -40,7 +46,7 @@ def fp8_kv_ids(
 
 def test_dspark_over_an_fp8_kv_cache_gives_the_target_only_tokens():
     target_only, _ = fp8_kv_ids(enable_prefix_caching=False)
-    speculated, accepted = fp8_kv_ids(DRAFT)
+    speculated, accepted = fp8_kv_ids(DRAFT, rounds=2)
     assert speculated == target_only
     assert accepted >= MIN_ACCEPTANCE
 
