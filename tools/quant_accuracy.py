@@ -26,7 +26,7 @@ from tokenizers import Tokenizer
 from atom import LLMEngine, SamplingParams
 from atom.config import KV_CACHE_DTYPES, Config
 from atom.model_loader.build import load_target
-from atom.model_ops.paged_cache import kv_cache_dtype
+from atom.model_ops.paged_cache import resolve_kv_cache_dtype
 from atom.models.tiny.configs import TOKEN_IDS
 from atom.models.tiny.excerpt import HELD_OUT_FILE, held_out_prompts
 from atom.models.tiny.tokenizer import TOKENIZER_FILE
@@ -75,7 +75,7 @@ def measure(
             model,
             held_out_stream(tokenizer),
             args.ppl_seq_len,
-            kv_cache_dtype(kv_dtype, "cpu"),
+            resolve_kv_cache_dtype(kv_dtype, "cpu"),
         )
     del model
     prompts = [

@@ -24,7 +24,7 @@ FP8_KV_MAX = torch.finfo(FP8_KV_DTYPE).max
 DEFAULT_KV_SCALE = 1.0
 
 
-def kv_cache_dtype(name: str, device: torch.device | str) -> torch.dtype | None:
+def resolve_kv_cache_dtype(name: str, device: torch.device | str) -> torch.dtype | None:
     """The storage dtype `--kv-cache-dtype name` means on `device` (None: the model
     dtype); refuses a name or a device that cannot hold it."""
     if name not in KV_CACHE_DTYPES:
@@ -52,8 +52,8 @@ def _stores_e4m3(device: torch.device) -> bool:
 
 
 def _stored(cache: torch.Tensor) -> torch.Tensor:
-    """The view that index kernels take: float8 has no CPU index_copy_, so its
-    bytes move as uint8."""
+    """The view that index kernels take: float8 has no CPU index_copy_ (nor, in
+    every build, index_select), so its bytes move as uint8."""
     return cache.view(torch.uint8) if cache.dtype == FP8_KV_DTYPE else cache
 
 
@@ -108,6 +108,8 @@ def gather_kv(
     """[B, W * block_size, D] of `dtype`: every sequence's cached rows in position
     order."""
     num_seqs, width = block_tables.shape
-    rows = kv_cache.index_select(0, block_tables.reshape(-1))
-    rows = rows.view(num_seqs, width * kv_cache.shape[1], kv_cache.shape[2])
+    rows = _stored(kv_cache).index_select(0, block_tables.reshape(-1))
+    rows = rows.view(kv_cache.dtype).view(
+        num_seqs, width * kv_cache.shape[1], kv_cache.shape[2]
+    )
     return decode_kv(rows, scale, dtype)

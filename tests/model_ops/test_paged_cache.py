@@ -9,8 +9,8 @@ from atom.model_ops.paged_cache import (
     FP8_KV_DTYPE,
     FP8_KV_MAX,
     gather_kv,
-    kv_cache_dtype,
     read_back_kv,
+    resolve_kv_cache_dtype,
     write_kv,
 )
 
@@ -57,11 +57,13 @@ def test_a_model_dtype_cache_stores_rows_as_they_are():
 
 
 def test_kv_cache_dtype_names():
-    assert kv_cache_dtype("auto", "cpu") is None
-    assert kv_cache_dtype("fp8", "cpu") is kv_cache_dtype("fp8_e4m3", "cpu")
-    assert kv_cache_dtype("fp8", "cpu") == torch.float8_e4m3fn
+    assert resolve_kv_cache_dtype("auto", "cpu") is None
+    assert resolve_kv_cache_dtype("fp8", "cpu") is resolve_kv_cache_dtype(
+        "fp8_e4m3", "cpu"
+    )
+    assert resolve_kv_cache_dtype("fp8", "cpu") == torch.float8_e4m3fn
     with pytest.raises(ValueError, match="allowed: auto, fp8, fp8_e4m3"):
-        kv_cache_dtype("fp16", "cpu")
+        resolve_kv_cache_dtype("fp16", "cpu")
 
 
 def test_the_engine_config_refuses_an_unknown_kv_cache_dtype():
