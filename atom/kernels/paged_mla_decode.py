@@ -19,7 +19,6 @@ import torch
 import triton
 import triton.language as tl
 
-from atom.model_ops.paged_cache import FP8_KV_DTYPE
 from atom.utils.arithmetic import ceil_div
 
 # Keys per split below which a context is not split further.
@@ -217,7 +216,8 @@ def mla_decode(
         BLOCK_H=block_h,
         BLOCK_N=16 if ieee else 32,
         IEEE=ieee,
-        FP8_CACHE=kv_cache.dtype == FP8_KV_DTYPE,
+        # Kernels import no model_ops: the fp8 cache dtype is spelled out here.
+        FP8_CACHE=kv_cache.dtype == torch.float8_e4m3fn,
         num_stages=1,
     )
     return combine(acc, stats).view(batch, rows, heads, rank)
