@@ -27,6 +27,9 @@ SPECULATIVE_METHODS = ("dspark",)
 # Names of torch dtypes: torch is imported only where a dtype is resolved, so that
 # the command line builds its flags from this module without loading torch.
 DTYPES = ("float32", "bfloat16", "float16")
+# The paged KV cache's row dtype: auto = the model dtype; fp8 (alias fp8_e4m3) =
+# float8_e4m3fn rows with a per-layer scale (`model_ops/paged_cache.py`).
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 # Settings the environment may give when the caller leaves them unset; read here only,
 # so no layer consults the environment and the start-up log shows what was chosen.
 PARTITION_ENV_VARS = ("ATOM_PP_LAYER_PARTITION", "VLLM_PP_LAYER_PARTITION")
@@ -260,6 +263,8 @@ class EngineSettings:
     # ATOM's online quantization JSON, e.g. '{"global_quant_config": "ptpc_fp8"}'
     # (a string or a mapping); None keeps the checkpoint's weights as stored.
     online_quant_config: str | dict | None = None
+    # KV_CACHE_DTYPES: what the paged KV rows are stored in; KDA states keep theirs.
+    kv_cache_dtype: str = "auto"
     # More than one machine: node 0 serves, the others run ranks. NodeLayout
     # (node_layout.py) owns these settings' meaning and defaults.
     nnodes: int = NodeLayout.nnodes
@@ -305,6 +310,11 @@ class Config(EngineSettings):
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(
                 f"dtype must be auto or one of {', '.join(DTYPES)}, got {self.dtype!r}"
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported; allowed: "
+                f"{', '.join(KV_CACHE_DTYPES)}"
             )
         self._resolve_environment()
         self.model = resolve_model_path(self.model)
@@ -382,6 +392,7 @@ class Config(EngineSettings):
         return (
             f"pp layer partition {partition}, KDA backend {self.kda_backend}, "
             f"attention backend {self.attention_backend}, "
+            f"kv cache dtype {self.kv_cache_dtype}, "
             f"{self.quantization.describe()}"
         )
 

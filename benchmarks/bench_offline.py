@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 from atom import LLMEngine, SamplingParams
+from atom.config import KV_CACHE_DTYPES
 from atom.models.tiny import build
 from atom.models.tiny import configs as tiny_configs
 from atom.models.tiny import weights as tiny_weights
@@ -79,6 +80,7 @@ def run(
         dtype=args.dtype,
         max_num_seqs=max(args.num_prompts, 1),
         online_quant_config=args.online_quant_config,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     if spec:
         kwargs.update(
@@ -136,6 +138,7 @@ def batch_scaling(args: argparse.Namespace, model: str) -> None:
         device=args.device,
         dtype=args.dtype,
         online_quant_config=args.online_quant_config,
+        kv_cache_dtype=args.kv_cache_dtype,
         max_num_seqs=max(sizes),
         # Each size reuses the first prompts; a cache hit would skip their prefill.
         enable_prefix_caching=False,
@@ -181,6 +184,13 @@ def main() -> None:
         "--online_quant_config",
         default=None,
         help='e.g. \'{"global_quant_config": "ptpc_fp8"}\' (fp8 weights)',
+    )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        "--kv_cache_dtype",
+        choices=KV_CACHE_DTYPES,
+        default="auto",
+        help="fp8: e4m3 KV rows (docs/accuracy.md)",
     )
     parser.add_argument("--prompts", choices=["corpus", "random"], default="corpus")
     parser.add_argument("--input-len", type=int, default=32)

@@ -41,16 +41,28 @@ def load_model(
     return network, config
 
 
-def prefill(model: nn.Module, sequences: list[list[int]]) -> torch.Tensor:
+def prefill(
+    model: nn.Module,
+    sequences: list[list[int]],
+    kv_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     """Final hidden states [sum of lengths, H] of `sequences`, each from position 0,
-    rows in sequence order (differentiable unless called under no_grad)."""
+    rows in sequence order (differentiable unless called under no_grad).
+    `kv_dtype`: the paged KV rows' dtype (`--kv-cache-dtype`); None: the model's."""
     if not sequences or any(len(seq) == 0 for seq in sequences):
         raise ValueError("prefill needs at least one sequence, none of them empty")
     parameter = next(model.parameters())
     blocks = ceil_div(max(len(seq) for seq in sequences), BLOCK_SIZE)
     count = len(sequences)
     CacheEngine(
-        [model], blocks * count, BLOCK_SIZE, count, 0, parameter.device, parameter.dtype
+        [model],
+        blocks * count,
+        BLOCK_SIZE,
+        count,
+        0,
+        parameter.device,
+        parameter.dtype,
+        kv_dtype,
     )
     works = [
         SeqWork(

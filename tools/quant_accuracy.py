@@ -1,13 +1,18 @@
-"""What online quantization costs the trained tiny models: held-out perplexity,
-greedy agreement with the model-dtype run, and DSpark acceptance, per setting.
+"""What online quantization and an fp8 KV cache cost the trained tiny models:
+held-out perplexity, greedy agreement with the model-dtype run, and DSpark
+acceptance, per setting.
 
-Each setting is a model dtype and an optional `--online_quant_config`. Perplexity is
+Each setting is a model dtype, an optional `--online_quant_config` and a
+`--kv-cache-dtype` (every setting named by `--settings` runs at each KV dtype
+given). Perplexity is
 `tools/train_target.perplexity` over the shipped held-out excerpt (the stream
 `tools/train_tiny.py` evaluates on); agreement and acceptance run through the engine on
 the held-out prompts `benchmarks/bench_offline.py` uses. Each setting's greedy ids
 are compared with those of every setting before it.
 
     python -m tools.quant_accuracy --draft-model tiny-kimi-k3-dspark
+    python -m tools.quant_accuracy --draft-model tiny-kimi-k3-dspark \
+        --settings bf16 "ptpc_fp8, bf16" --kv-cache-dtype auto fp8
 """
 
 from __future__ import annotations
@@ -19,8 +24,9 @@ import torch
 from tokenizers import Tokenizer
 
 from atom import LLMEngine, SamplingParams
-from atom.config import Config
+from atom.config import KV_CACHE_DTYPES, Config
 from atom.model_loader.build import load_target
+from atom.model_ops.paged_cache import resolve_kv_cache_dtype
 from atom.models.tiny.configs import TOKEN_IDS
 from atom.models.tiny.excerpt import HELD_OUT_FILE, held_out_prompts
 from atom.models.tiny.tokenizer import TOKENIZER_FILE
@@ -52,14 +58,25 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
 
 
-def measure(args: argparse.Namespace, dtype: str, online: str | None) -> dict:
+def measure(
+    args: argparse.Namespace, dtype: str, online: str | None, kv_dtype: str
+) -> dict:
     config = Config(
-        model=args.model, device="cpu", dtype=dtype, online_quant_config=online
+        model=args.model,
+        device="cpu",
+        dtype=dtype,
+        online_quant_config=online,
+        kv_cache_dtype=kv_dtype,
     )
     model, _ = load_target(config, "cpu")
     tokenizer = Tokenizer.from_file(str(TOKENIZER_FILE))
     with torch.no_grad():
-        ppl = perplexity(model, held_out_stream(tokenizer), args.ppl_seq_len)
+        ppl = perplexity(
+            model,
+            held_out_stream(tokenizer),
+            args.ppl_seq_len,
+            resolve_kv_cache_dtype(kv_dtype, "cpu"),
+        )
     del model
     prompts = [
         tokenizer.encode(text, add_special_tokens=False).ids[: args.input_len]
@@ -70,6 +87,7 @@ def measure(args: argparse.Namespace, dtype: str, online: str | None) -> dict:
         device="cpu",
         dtype=dtype,
         online_quant_config=online,
+        kv_cache_dtype=kv_dtype,
         max_num_seqs=args.num_prompts,
     )
     result: dict = {"held_out_perplexity": ppl}
@@ -119,13 +137,30 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--input-len", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--ppl-seq-len", type=int, default=256)
+    labels = [label for label, _, _ in SETTINGS]
+    parser.add_argument(
+        "--settings", nargs="+", choices=labels, default=labels, metavar="LABEL"
+    )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        nargs="+",
+        choices=KV_CACHE_DTYPES,
+        default=["auto"],
+        help="KV cache dtypes to run every setting at",
+    )
     parser.add_argument("--threads", type=int, default=0, help="CPU threads (0: keep)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     report, ids = {}, {}
-    for label, dtype, online in SETTINGS:
-        result = measure(args, dtype, online)
+    runs = [
+        (label if kv == "auto" else f"{label}, {kv} KV", dtype, online, kv)
+        for label, dtype, online in SETTINGS
+        if label in args.settings
+        for kv in args.kv_cache_dtype
+    ]
+    for label, dtype, online, kv in runs:
+        result = measure(args, dtype, online, kv)
         ids[label] = result.pop("ids")
         for earlier in list(ids)[:-1]:
             result[f"greedy_vs_{earlier}"] = agreement(ids[label], ids[earlier])

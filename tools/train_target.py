@@ -61,10 +61,13 @@ def random_windows(
     return torch.stack([stream[s : s + length] for s in starts.tolist()])
 
 
-def next_token_loss(model: nn.Module, windows: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of predicting windows[:, 1:] from windows[:, :-1]."""
+def next_token_loss(
+    model: nn.Module, windows: torch.Tensor, kv_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """Mean cross-entropy of predicting windows[:, 1:] from windows[:, :-1]
+    (`kv_dtype`: as `tools.prefill.prefill` takes it)."""
     inputs, targets = windows[:, :-1], windows[:, 1:]
-    hidden = prefill(model, inputs.tolist())
+    hidden = prefill(model, inputs.tolist(), kv_dtype)
     logits = model.compute_logits(hidden).float()
     return F.cross_entropy(logits, targets.reshape(-1).to(logits.device))
 
@@ -173,9 +176,15 @@ def train_target(
 
 
 @torch.no_grad()
-def perplexity(model: nn.Module, stream: torch.Tensor, seq_len: int) -> float:
+def perplexity(
+    model: nn.Module,
+    stream: torch.Tensor,
+    seq_len: int,
+    kv_dtype: torch.dtype | None = None,
+) -> float:
     """exp(mean next-token cross-entropy) over consecutive windows of `stream`
-    (each window predicts its last seq_len tokens from the ones before)."""
+    (each window predicts its last seq_len tokens from the ones before; `kv_dtype`:
+    as `tools.prefill.prefill` takes it)."""
     count = (stream.numel() - 1) // seq_len
     if count < 1:
         raise ValueError(
@@ -187,5 +196,5 @@ def perplexity(model: nn.Module, stream: torch.Tensor, seq_len: int) -> float:
     total = 0.0
     for start in range(0, count, EVAL_WINDOWS_PER_FORWARD):
         batch = windows[start : start + EVAL_WINDOWS_PER_FORWARD]
-        total += next_token_loss(model, batch).item() * batch.shape[0]
+        total += next_token_loss(model, batch, kv_dtype).item() * batch.shape[0]
     return math.exp(total / count)

@@ -41,6 +41,7 @@ def _mla_decode_kernel(
     block_size,
     keys_per_split,
     scale,
+    kv_scale,
     stride_q_row,
     stride_q_head,
     stride_pe_row,
@@ -53,6 +54,7 @@ def _mla_decode_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     IEEE: tl.constexpr,
+    FP8_CACHE: tl.constexpr,
 ):
     row = tl.program_id(0)  # sequence * rows_per_seq + query row
     head_block = tl.program_id(1)
@@ -95,6 +97,10 @@ def _mla_decode_kernel(
         k_pe = tl.load(
             base + RANK + r[None, :], mask=n_ok[:, None] & r_ok[None, :], other=0.0
         )
+        if FP8_CACHE:
+            # Stored as value / kv_scale in e4m3; the dots take the query's dtype.
+            c_kv = (c_kv.to(tl.float32) * kv_scale).to(q.dtype)
+            k_pe = (k_pe.to(tl.float32) * kv_scale).to(q.dtype)
         if IEEE:
             scores = tl.dot(q, tl.trans(c_kv), input_precision="ieee")
             scores += tl.dot(q_pe, tl.trans(k_pe), input_precision="ieee")
@@ -152,13 +158,15 @@ def mla_decode(
     q_latent: torch.Tensor,
     q_pe: torch.Tensor,
     kv_cache: torch.Tensor,
+    kv_scale: float,
     block_tables: torch.Tensor,
     query_positions: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
     """o_latent [B, Q, h, C] fp32 = softmax(q_latent c_kv^T + q_pe k_pe^T) c_kv over
     each query's visible cached rows. q_latent [B, Q, h, C], q_pe [B, Q, h, R] (last
-    dims contiguous), kv_cache [blocks, block_size, C + R], block_tables [B, W],
+    dims contiguous), kv_cache [blocks, block_size, C + R] in the model dtype or
+    float8_e4m3fn (stored / kv_scale, `model_ops/paged_cache.py`), block_tables [B, W],
     query_positions [B, Q]: the row a query sits at (it sees rows 0..p)."""
     batch, rows, heads, rank = q_latent.shape
     rope = q_pe.shape[-1]
@@ -195,6 +203,7 @@ def mla_decode(
         block_size,
         keys_per_split,
         scale,
+        kv_scale,
         q_latent.stride(0),
         q_latent.stride(1),
         q_pe.stride(0),
@@ -207,6 +216,8 @@ def mla_decode(
         BLOCK_H=block_h,
         BLOCK_N=16 if ieee else 32,
         IEEE=ieee,
+        # Kernels import no model_ops: the fp8 cache dtype is spelled out here.
+        FP8_CACHE=kv_cache.dtype == torch.float8_e4m3fn,
         num_stages=1,
     )
     return combine(acc, stats).view(batch, rows, heads, rank)

@@ -7,6 +7,7 @@ from typing import Any
 
 from atom.config import (
     DTYPES,
+    KV_CACHE_DTYPES,
     KV_ROLES,
     SPECULATIVE_METHODS,
     EngineSettings,
@@ -41,7 +42,6 @@ UNSUPPORTED_ENGINE_FLAGS: dict[tuple[str, ...], str] = {
     ("--enable-tbo",): "",
     ("--prefill-context-parallel-size",): "",
     ("--decode-context-parallel-size",): "",
-    ("--kv-cache-dtype",): "",
     ("--cudagraph-mode",): "",
     ("--level",): "",
     ("--hf-overrides",): "",
@@ -267,6 +267,13 @@ class EngineArgs(EngineSettings):
             help="online weight quantization as ATOM writes it, e.g. "
             '\'{"global_quant_config": "ptpc_fp8"}\' (fp8 weights per output '
             "channel, fp8 activations per token); None = the checkpoint's weights",
+        )
+        parser.add_argument(
+            "--kv-cache-dtype",
+            choices=KV_CACHE_DTYPES,
+            default=defaults.kv_cache_dtype,
+            help="paged KV cache rows: auto = the model dtype; fp8 (fp8_e4m3) = "
+            "float8 e4m3 rows with a per-layer scale (KDA states stay as they are)",
         )
         parser.add_argument(
             "--kv-transfer-config",

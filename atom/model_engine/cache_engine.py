@@ -42,7 +42,10 @@ class CacheEngine:
         num_verify_rows: int,
         device: torch.device | str,
         dtype: torch.dtype,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
+        """`dtype`: the model dtype (states that name none); `kv_dtype`: the paged
+        rows' dtype for layers that name none (`--kv-cache-dtype`), None: `dtype`."""
         for name, value in (
             ("num_blocks", num_blocks),
             ("num_state_slots", num_state_slots),
@@ -57,6 +60,7 @@ class CacheEngine:
         self.num_state_slots = num_state_slots
         self.num_verify_rows = num_verify_rows
         self.dtype = dtype
+        self.kv_dtype = kv_dtype or dtype
         self.device = torch.device(device)
         self.kv_layers = kv_layers(modules)
         self.state_layers = state_layers(modules)
@@ -71,7 +75,7 @@ class CacheEngine:
                     blocks,
                     block_size,
                     layer.kv_cache_dim,
-                    dtype=layer.kv_cache_dtype or dtype,
+                    dtype=self.layer_kv_dtype(layer),
                     device=device,
                 )
             )
@@ -88,6 +92,9 @@ class CacheEngine:
             self.states.append(states)
             self.snapshots.append(snapshots or {})
             layer.bind_states(states, snapshots)
+
+    def layer_kv_dtype(self, layer: PagedKVLayer) -> torch.dtype:
+        return layer.kv_cache_dtype or self.kv_dtype
 
     def _zeros(self, tensor: StateTensor, lead: tuple[int, ...]) -> torch.Tensor:
         dtype = tensor.dtype or self.dtype
@@ -143,7 +150,7 @@ class CacheEngine:
         return sum(
             self.block_size
             * layer.kv_cache_dim
-            * self._element_size(layer.kv_cache_dtype)
+            * self._element_size(self.layer_kv_dtype(layer))
             for layer in self.kv_layers
         )
 

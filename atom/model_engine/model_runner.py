@@ -27,6 +27,7 @@ from atom.model_engine.memory_profile import kv_budget_bytes
 from atom.model_engine.model_inputs import prepare_inputs
 from atom.model_engine.step_sampler import StepSampler
 from atom.model_loader.build import building_on, load_target
+from atom.model_ops.paged_cache import resolve_kv_cache_dtype
 from atom.model_ops.sampling_metadata import SamplingMetadata
 from atom.models.interfaces import (
     STATE_ROLLBACK_MODE,
@@ -60,6 +61,8 @@ class ModelRunner:
         self.limits = config.limits
         self.device = device
         self.dtype = config.torch_dtype
+        # Checked before loading: a device that cannot hold fp8 rows fails fast.
+        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, device)
         self.pp = get_pp_group()
         self.is_last_stage = self.pp.is_last_rank
         self.is_first_stage = self.pp.is_first_rank
@@ -169,6 +172,7 @@ class ModelRunner:
             num_speculative_tokens + 1 if num_speculative_tokens else 0,
             self.device,
             self.dtype,
+            self.kv_dtype,
         )
 
     def _can_capture_graphs(self) -> bool:

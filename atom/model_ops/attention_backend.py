@@ -2,7 +2,7 @@
 
 An MLA backend takes one layer's forward: this step's queries split into the nope
 and rope parts [N, h, *], its new latent rows [N, C + R], the layer's paged cache and
-`kv_b_proj`'s weight; it writes the rows to their slots, attends every query row to
+its scale (`model_ops/paged_cache.py`), and `kv_b_proj`'s weight; it writes the rows to their slots, attends every query row to
 the rows its sequence holds up to its own position, and returns o [N, h, d_v] (fp32
 or the model dtype). `Config.attention_backend` (`ATOM_ATTENTION_BACKEND=
 auto|torch|triton`) picks one; auto is triton on CUDA, torch elsewhere.
@@ -16,7 +16,7 @@ import torch
 
 from atom.config import ATTENTION_BACKENDS
 from atom.kernels import require_triton, triton_available
-from atom.model_ops.paged_cache import gather_kv, write_kv
+from atom.model_ops.paged_cache import gather_kv, read_back_kv, write_kv
 from atom.model_ops.paged_mla import ABSORB_MAX_QUERY_LEN, latent_attention, split_kv_b
 from atom.model_ops.visibility import causal_visibility
 from atom.utils.forward_context import AttentionMetadata
@@ -31,6 +31,7 @@ class MLABackend(Protocol):
         q_pe: torch.Tensor,
         latent: torch.Tensor,
         kv_cache: torch.Tensor,
+        kv_scale: float,
         kv_b_weight: torch.Tensor,
         v_dim: int,
         scale: float,
@@ -45,14 +46,24 @@ class TorchMLABackend:
     name = "torch"
 
     def forward(
-        self, q_nope, q_pe, latent, kv_cache, kv_b_weight, v_dim, scale, metadata
+        self,
+        q_nope,
+        q_pe,
+        latent,
+        kv_cache,
+        kv_scale,
+        kv_b_weight,
+        v_dim,
+        scale,
+        metadata,
     ):
-        write_kv(kv_cache, metadata.slot_mapping, latent)
+        write_kv(kv_cache, metadata.slot_mapping, latent, kv_scale)
         if metadata.all_fresh:
-            # Nothing cached is older than this forward: attend to its own rows.
-            keys = metadata.pad(latent)
+            # Nothing cached is older than this forward: attend to its own rows,
+            # rounded through the cache dtype as a read-back would be.
+            keys = metadata.pad(read_back_kv(latent, kv_cache, kv_scale, latent.dtype))
         else:
-            keys = gather_kv(kv_cache, metadata.block_tables)
+            keys = gather_kv(kv_cache, metadata.block_tables, kv_scale, latent.dtype)
         o = latent_attention(
             metadata.pad(q_nope),
             metadata.pad(q_pe),
@@ -78,13 +89,30 @@ class TritonMLABackend:
         self._decode = mla_decode
 
     def forward(
-        self, q_nope, q_pe, latent, kv_cache, kv_b_weight, v_dim, scale, metadata
+        self,
+        q_nope,
+        q_pe,
+        latent,
+        kv_cache,
+        kv_scale,
+        kv_b_weight,
+        v_dim,
+        scale,
+        metadata,
     ):
         if metadata.all_fresh or metadata.max_query_len > ABSORB_MAX_QUERY_LEN:
             return self.prefill_backend.forward(
-                q_nope, q_pe, latent, kv_cache, kv_b_weight, v_dim, scale, metadata
+                q_nope,
+                q_pe,
+                latent,
+                kv_cache,
+                kv_scale,
+                kv_b_weight,
+                v_dim,
+                scale,
+                metadata,
             )
-        write_kv(kv_cache, metadata.slot_mapping, latent)
+        write_kv(kv_cache, metadata.slot_mapping, latent, kv_scale)
         w_uk, w_uv = split_kv_b(kv_b_weight, q_nope.shape[1], v_dim)
         # The key up-projection folds into the query, the value one into the output.
         q_latent = torch.einsum("nhd,hdc->nhc", q_nope, w_uk.to(q_nope.dtype))
@@ -92,6 +120,7 @@ class TritonMLABackend:
             metadata.pad(q_latent),
             metadata.pad(q_pe),
             kv_cache,
+            kv_scale,
             metadata.block_tables,
             metadata.query_positions,
             scale,

@@ -22,7 +22,12 @@ from atom.model_ops.activation import SiluAndMul
 from atom.model_ops.gated_mlp import GatedMLP
 from atom.model_ops.layernorm import RMSNorm
 from atom.model_ops.linear import ReplicatedLinear
-from atom.model_ops.paged_cache import gather_kv
+from atom.model_ops.paged_cache import (
+    DEFAULT_KV_SCALE,
+    gather_kv,
+    read_back_kv,
+    write_kv,
+)
 from atom.model_ops.visibility import block_pass_visibility
 from atom.utils.forward_context import ForwardContext, set_forward_context
 
@@ -112,6 +117,7 @@ class DraftAttention(nn.Module):
         super().__init__()
         self.prefix = prefix
         self.kv_cache_dtype: torch.dtype | None = None
+        self.kv_scale = DEFAULT_KV_SCALE
         self.kv_cache: torch.Tensor | None = None
 
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
@@ -125,6 +131,14 @@ class DraftAttention(nn.Module):
             )
         return self.kv_cache
 
+    def write_rows(self, slot_mapping: torch.Tensor, rows: torch.Tensor) -> None:
+        """Store context rows [N, kv_cache_dim] at their slots."""
+        write_kv(self.cache(), slot_mapping, rows, self.kv_scale)
+
+    def read_back(self, rows: torch.Tensor) -> torch.Tensor:
+        """Block rows as the cache would return them (they are never written)."""
+        return read_back_kv(rows, self.cache(), self.kv_scale, rows.dtype)
+
     def block_keys(
         self,
         block_rows: torch.Tensor,
@@ -137,10 +151,10 @@ class DraftAttention(nn.Module):
 
         Keys are each sequence's cached context rows (gathered through
         `block_tables`) then its T `block_rows` [B, T, kv_cache_dim], which the
-        caller rounds through the cache dtype as a write and read-back would;
+        caller rounds through the cache (`read_back`) as a write would;
         `visible` is `block_pass_visibility` (`window`: size, positions).
         """
-        context = gather_kv(self.cache(), block_tables)
+        context = gather_kv(self.cache(), block_tables, self.kv_scale, block_rows.dtype)
         visible = block_pass_visibility(
             context_lens, context.shape[1], block_rows.shape[1], window
         )

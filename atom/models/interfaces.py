@@ -5,7 +5,9 @@ A layer gets a cache by declaring one of two kinds; the `CacheEngine`
 declares, and hands it its views through one binding call:
 
 - `PagedKVLayer`: one row per token in the shared paged pool, `kv_cache_dim`
-  elements wide in `kv_cache_dtype` (None: the model dtype); bound as
+  elements wide in `kv_cache_dtype` (None: the engine's KV dtype, which
+  `--kv-cache-dtype` picks: the model dtype or fp8) and, in an fp8 cache, stored
+  as value / `kv_scale` (`model_ops/paged_cache.py`); bound as
   `bind_kv_cache(cache [num_blocks + 1, block_size, kv_cache_dim])`.
 - `RecurrentStateLayer`: per request slot, the tensors `state_spec()` names; bound
   as `bind_states(states, snapshots)`, each `states[name]` [slots + 1, *shape] and,
@@ -51,6 +53,7 @@ class StateTensor:
 class PagedKVLayer(Protocol):
     kv_cache_dim: int
     kv_cache_dtype: torch.dtype | None
+    kv_scale: float
 
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None: ...
 

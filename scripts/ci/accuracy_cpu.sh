@@ -21,12 +21,15 @@
 #     speculation, 2 KDA rollback lines on the tp2 consumer; no missing-weight line
 #     in any log; no P/D request fell back to a local prefill.
 # Needs the [eval] extra. Logs, lm-eval results and gate summaries land in OUT_DIR.
+# EXTRA_SERVE_ARGS: flags every server of the job also gets, e.g.
+# EXTRA_SERVE_ARGS="--kv-cache-dtype fp8" (the same gates hold).
 set -euo pipefail
 
 cd "$(dirname "$0")/../.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 python="${PYTHON:-python}"
 out="${1:-accuracy_cpu}"
+extra="${EXTRA_SERVE_ARGS:-}"
 
 tiny_path() {
   "$python" -c 'import sys; from atom.models.tiny import resolve_model_path as r
@@ -50,7 +53,7 @@ evaluate() {
   start="$(date +%s)"
   bash scripts/ci/serve.sh --port "$port" --log "$dir/server.log" \
     --mtp-stats "$dir/mtp_stats.json" --ready-timeout 600 \
-    --serve-args "--model $model --device cpu $flags" -- \
+    --serve-args "--model $model --device cpu $flags $extra" -- \
     "$python" -m scripts.ci.watchdog --log "$dir/server.log" --idle 180 --limit 900 -- \
     "$python" -m lm_eval --model local-completions \
     --model_args "model=$model,base_url=http://127.0.0.1:$port/v1/completions,num_concurrent=64,max_retries=3,tokenized_requests=False,trust_remote_code=True" \
@@ -67,7 +70,7 @@ evaluate_pd() {
   mkdir -p "$dir"
   start="$(date +%s)"
   producer_port="$(free_port)" consumer_port="$(free_port)"
-  spec="--model $model --device cpu --method dspark --draft-model $draft --num-speculative-tokens 7"
+  spec="--model $model --device cpu --method dspark --draft-model $draft --num-speculative-tokens 7 $extra"
   bash scripts/ci/serve.sh --port "$producer_port" --log "$dir/producer.log" \
     --ready-timeout 600 --serve-args \
     "$spec -pp 2 -tp 2 --kv-transfer-config {\"kv_role\":\"kv_producer\"}" -- \

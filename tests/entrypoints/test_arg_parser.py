@@ -82,6 +82,13 @@ def test_online_quant_config_in_either_spelling(flag):
     assert parse_engine_args().online_quant_config is None
 
 
+@pytest.mark.parametrize("flag", ["--kv_cache_dtype", "--kv-cache-dtype"])
+@pytest.mark.parametrize("value", ["fp8", "fp8_e4m3"])
+def test_kv_cache_dtype_in_either_spelling(flag, value):
+    assert parse_engine_args(flag, value).kv_cache_dtype == value
+    assert parse_engine_args().kv_cache_dtype == "auto"
+
+
 def test_unknown_online_scheme_is_a_parse_error_naming_the_choices(capsys):
     with pytest.raises(SystemExit):
         parse_engine_args("--online_quant_config", '{"global_quant_config": "fp4"}')
@@ -103,7 +110,6 @@ def test_short_parallel_flags():
         (["--enable_expert_parallel"], "--enable-expert-parallel is not supported"),
         (["--data-parallel-size", "2"], "--data-parallel-size is not supported"),
         (["-dp", "2"], "-dp is not supported by atom"),
-        (["--kv_cache_dtype", "fp8"], "--kv-cache-dtype is not supported by atom"),
         (["--cudagraph-mode", "FULL"], "--cudagraph-mode is not supported"),
         (["--port", "8000"], "use --server-port"),
     ],
@@ -129,6 +135,11 @@ def test_unsupported_flags_are_rejected_by_name(argv, message, capsys):
         (["--kv-role", "kv_consumer"], "invalid choice: 'kv_consumer'"),
         (["--cudagraph-capture-sizes", "[1,x]"], "list of integers"),
         (["--cudagraph-capture-sizes", "[0]"], "positive integers"),
+        (
+            ["--kv_cache_dtype", "fp8_e5m2"],
+            "argument --kv-cache-dtype: invalid choice: 'fp8_e5m2' (choose from "
+            "'auto', 'fp8', 'fp8_e4m3')",
+        ),
     ],
 )
 def test_bad_values_fail_with_a_message(argv, message, capsys):

@@ -11,6 +11,7 @@ from atom.model_ops.attention_backend import (
     TorchMLABackend,
     select_mla_backend,
 )
+from atom.model_ops.paged_cache import FP8_KV_DTYPE
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 BLOCK_SIZE, NUM_BLOCKS = 4, 40
@@ -36,7 +37,8 @@ def step(device, contexts, rows, tables):
 @pytest.mark.kernels
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("rows", [1, 4])
-def test_triton_backend_attends_as_the_torch_backend(device, rows):
+@pytest.mark.parametrize("fp8_cache", [False, True])
+def test_triton_backend_attends_as_the_torch_backend(device, rows, fp8_cache):
     if not triton_available(device):
         pytest.skip("triton cannot run here")
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -51,6 +53,10 @@ def test_triton_backend_attends_as_the_torch_backend(device, rows):
     cache = randn(NUM_BLOCKS, BLOCK_SIZE, RANK + ROPE)
     # Block 0 pads the tables and block 2 is nobody's: neither may be read.
     cache[0] = cache[2] = float("nan")
+    # An fp8 cache holds value / kv_scale; both backends read it back * kv_scale.
+    kv_scale = 0.5 if fp8_cache else 1.0
+    if fp8_cache:
+        cache = (cache.float() / kv_scale).to(FP8_KV_DTYPE)
     tokens = len(contexts) * rows
     q_nope, q_pe = randn(tokens, HEADS, NOPE), randn(tokens, HEADS, ROPE)
     latent = randn(tokens, RANK + ROPE)
@@ -59,11 +65,13 @@ def test_triton_backend_attends_as_the_torch_backend(device, rows):
     assert triton.name == "triton"
     caches = [cache.clone(), cache.clone()]
     outputs = [
-        backend.forward(q_nope, q_pe, latent, c, kv_b, V_DIM, 0.3, metadata).float()
+        backend.forward(
+            q_nope, q_pe, latent, c, kv_scale, kv_b, V_DIM, 0.3, metadata
+        ).float()
         for backend, c in zip((triton, TorchMLABackend()), caches)
     ]
     # Both wrote this step's rows to the same slots.
-    assert torch.equal(caches[0].nan_to_num(), caches[1].nan_to_num())
+    assert torch.equal(caches[0].float().nan_to_num(), caches[1].float().nan_to_num())
     tolerance = {} if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
     torch.testing.assert_close(outputs[0], outputs[1], **tolerance)
 

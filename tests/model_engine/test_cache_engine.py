@@ -89,3 +89,16 @@ def test_rejects_bad_sizes(model):
         CacheEngine([model], 1, 0, 1, 0, "cpu", torch.float32)
     with pytest.raises(ValueError, match="num_state_slots must be >= 0"):
         CacheEngine([model], 1, BLOCK_SIZE, -1, 0, "cpu", torch.float32)
+
+
+def test_an_fp8_kv_cache_holds_twice_the_bf16_blocks(model):
+    """The paged rows shrink to one byte an element; KDA states keep their dtypes."""
+    bf16 = CacheEngine([model], 2, BLOCK_SIZE, 3, 4, "cpu", torch.bfloat16)
+    fp8 = CacheEngine(
+        [model], 2, BLOCK_SIZE, 3, 4, "cpu", torch.bfloat16, torch.float8_e4m3fn
+    )
+    assert all(layer.kv_cache.dtype == torch.float8_e4m3fn for layer in fp8.kv_layers)
+    assert bf16.kv_bytes_per_block() == 2 * fp8.kv_bytes_per_block()
+    assert bf16.state_bytes_per_slot() == fp8.state_bytes_per_slot()
+    budget = 1000 * bf16.kv_bytes_per_block()
+    assert budget // fp8.kv_bytes_per_block() == 2000

@@ -25,7 +25,6 @@ from atom.model_ops.linear import (
     RowParallelLinear,
     divide,
 )
-from atom.model_ops.paged_cache import write_kv
 from atom.model_ops.paged_mla import latent_attention
 from atom.model_ops.rotary_embedding import RotaryEmbedding
 from atom.models.dspark_base import DraftAttention, DSparkDraft, DSparkLayer
@@ -85,7 +84,7 @@ class DSparkAttention(DraftAttention):
     def write_context(
         self, context: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor
     ) -> None:
-        write_kv(self.cache(), slot_mapping, self.latent_rows(context, positions))
+        self.write_rows(slot_mapping, self.latent_rows(context, positions))
 
     def forward(
         self,
@@ -105,8 +104,7 @@ class DSparkAttention(DraftAttention):
         q = q.view(num_seqs, width, self.heads, self.nope_dim + self.rope_dim)
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
         q_pe = self.rotary(positions, q_pe.reshape(x.shape[0], self.heads, -1))
-        # Rounded through the cache dtype, as if written to the cache and read back.
-        block_rows = self.latent_rows(x, positions).to(self.cache().dtype)
+        block_rows = self.read_back(self.latent_rows(x, positions))
         keys, visible = self.block_keys(
             block_rows.view(num_seqs, width, -1), block_tables, context_lens
         )

@@ -18,6 +18,7 @@ from atom.model_ops.linear import (
     ReplicatedLinear,
     RowParallelLinear,
 )
+from atom.model_ops.paged_cache import DEFAULT_KV_SCALE
 from atom.models.kimi.config import KimiTextConfig
 from atom.utils.forward_context import require_metadata
 
@@ -59,6 +60,7 @@ class KimiMLAttention(nn.Module):
         # A `PagedKVLayer` (models/interfaces.py): one latent row per token.
         self.kv_cache_dim = config.kv_latent_dim
         self.kv_cache_dtype: torch.dtype | None = None
+        self.kv_scale = DEFAULT_KV_SCALE
         self.kv_cache: torch.Tensor | None = None
         # `Config.attention_backend`; resolved on the first forward (its device).
         self.backend_choice = backend
@@ -92,6 +94,7 @@ class KimiMLAttention(nn.Module):
             q_pe,
             latent,
             self.kv_cache,
+            self.kv_scale,
             self.kv_b_proj.weight,
             self.v_dim,
             self.scale,

@@ -17,7 +17,12 @@ from atom.model_ops.block_sparse import block_sparse_visibility
 from atom.model_ops.layernorm import GemmaRMSNorm
 from atom.model_ops.linear import HeadParallelLinear, RowParallelLinear
 from atom.model_ops.paged_attention import gqa_attention
-from atom.model_ops.paged_cache import gather_kv, write_kv
+from atom.model_ops.paged_cache import (
+    DEFAULT_KV_SCALE,
+    gather_kv,
+    read_back_kv,
+    write_kv,
+)
 from atom.model_ops.rotary_embedding import RotaryEmbedding
 from atom.model_ops.visibility import sequence_visibility
 from atom.models.minimax_m3.config import MiniMaxM3TextConfig
@@ -85,6 +90,7 @@ class MiniMaxM3Attention(nn.Module):
         index_width = self.indexer.head_dim if self.indexer is not None else 0
         self.kv_cache_dim = 2 * self.kv_width + index_width
         self.kv_cache_dtype: torch.dtype | None = None
+        self.kv_scale = DEFAULT_KV_SCALE
         self.kv_cache: torch.Tensor | None = None
 
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
@@ -113,13 +119,16 @@ class MiniMaxM3Attention(nn.Module):
                 "CacheEngine"
             )
         q, rows, index_q = self._cache_rows(positions, x)
-        write_kv(self.kv_cache, metadata.slot_mapping, rows)
+        write_kv(self.kv_cache, metadata.slot_mapping, rows, self.kv_scale)
         if metadata.all_fresh:
             # Nothing cached is older than this forward: attend to its own rows,
             # rounded through the cache dtype as a read-back would be.
-            keys = metadata.pad(rows.to(self.kv_cache.dtype))
+            keys = read_back_kv(rows, self.kv_cache, self.kv_scale, rows.dtype)
+            keys = metadata.pad(keys)
         else:
-            keys = gather_kv(self.kv_cache, metadata.block_tables)
+            keys = gather_kv(
+                self.kv_cache, metadata.block_tables, self.kv_scale, rows.dtype
+            )
         visible = sequence_visibility(metadata, keys.shape[1])
         k, v, index_k = keys.split(
             [self.kv_width, self.kv_width, self.kv_cache_dim - 2 * self.kv_width],

@@ -32,7 +32,6 @@ from atom.model_ops.linear import (
     RowParallelLinear,
 )
 from atom.model_ops.paged_attention import gqa_attention
-from atom.model_ops.paged_cache import write_kv
 from atom.model_ops.rotary_embedding import RotaryEmbedding
 from atom.models.dspark_base import DraftAttention, DSparkDraft, DSparkLayer
 from atom.models.qwen3_dspark.config import Qwen3DSparkConfig
@@ -82,7 +81,7 @@ class Qwen3DSparkAttention(DraftAttention):
         self, context: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor
     ) -> None:
         _, rows = self._qkv(context, positions)
-        write_kv(self.cache(), slot_mapping, rows)
+        self.write_rows(slot_mapping, rows)
 
     def forward(
         self,
@@ -98,8 +97,7 @@ class Qwen3DSparkAttention(DraftAttention):
         num_seqs = context_lens.shape[0]
         width = x.shape[0] // num_seqs
         q, block_rows = self._qkv(x, positions)
-        # Rounded through the cache dtype, as if written to the cache and read back.
-        block_rows = block_rows.to(self.cache().dtype).view(num_seqs, width, -1)
+        block_rows = self.read_back(block_rows).view(num_seqs, width, -1)
         window = None if self.window is None else (self.window, positions)
         keys, visible = self.block_keys(block_rows, block_tables, context_lens, window)
         k, v = keys.split([self.kv_cache_dim // 2] * 2, dim=-1)
