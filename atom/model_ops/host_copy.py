@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 
@@ -10,9 +12,32 @@ def host_to_device(
 ) -> torch.Tensor:
     """Host values as a device tensor. A CUDA copy goes from pinned memory without
     blocking: a plain copy would wait for the forward still running on the stream."""
-    host = torch.tensor(values, dtype=dtype)
+    return _pinned_copy(torch.tensor(values, dtype=dtype), device)
+
+
+def _pinned_copy(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     if torch.device(device).type == "cpu":
         return host
     if host.numel() == 0:  # nothing to copy, nothing to pin
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
+
+
+def hosts_to_device(
+    fields: Sequence[tuple[list, torch.dtype, tuple[int, ...]]],
+    device: torch.device | str,
+) -> list[torch.Tensor]:
+    """Each (values, dtype, shape) as a device tensor, in order, with one copy per
+    dtype: a step's small host lists cost one transfer each otherwise, and on a
+    GPU host each transfer costs tens of microseconds of launch time."""
+    tensors = [torch.tensor(v, dtype=d).reshape(shape) for v, d, shape in fields]
+    placed: list[torch.Tensor | None] = [None] * len(tensors)
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for index, tensor in enumerate(tensors):
+        by_dtype.setdefault(tensor.dtype, []).append(index)
+    for members in by_dtype.values():
+        flat = torch.cat([tensors[i].reshape(-1) for i in members])
+        parts = _pinned_copy(flat, device).split([tensors[i].numel() for i in members])
+        for i, part in zip(members, parts):
+            placed[i] = part.view(tensors[i].shape)
+    return placed

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from atom.model_ops.host_copy import host_to_device
+from atom.model_ops.host_copy import hosts_to_device
 from atom.model_ops.logit_adjust import LogitAdjustments
 from atom.model_ops.logprobs import LogprobRequest
 
@@ -35,14 +35,24 @@ def per_row(values: object, count: int, name: str) -> list:
 
 
 def _padded(
-    rows: list[list[int]], device: torch.device | str, repeat_last: bool = False
-) -> torch.Tensor:
-    """[len(rows), longest] long, short rows padded with 0 (or their last entry)."""
+    rows: list[list[int]], repeat_last: bool = False
+) -> tuple[list[list[int]], torch.dtype, tuple[int, int]]:
+    """A `hosts_to_device` field: [len(rows), longest] long, short rows padded with
+    0 (or their last entry)."""
     width = max((len(row) for row in rows), default=0)
     padded = [
         row + (row[-1:] if repeat_last else [0]) * (width - len(row)) for row in rows
     ]
-    return host_to_device(padded, torch.long, device).view(len(rows), width)
+    return padded, torch.long, (len(rows), width)
+
+
+@dataclass(frozen=True)
+class SpecRows:
+    """Host lists of a verify step, one entry per sampled sequence."""
+
+    drafts: list[list[int]]
+    row_index: list[list[int]]
+    block_tables: list[list[int]]
 
 
 @dataclass(frozen=True)
@@ -113,7 +123,7 @@ class SamplingMetadata:
         device: torch.device | str = "cpu",
         seq_ids: Sequence[int] | None = None,
         logit_rows: Sequence[int] | None = None,
-        spec: SpecDecodeMetadata | None = None,
+        spec_rows: SpecRows | None = None,
         logit_adjusts: Sequence[LogitAdjustWork | None] | None = None,
         logprobs: Sequence[int | None] | None = None,
     ) -> SamplingMetadata:
@@ -121,7 +131,8 @@ class SamplingMetadata:
 
         A greedy row may have seed None; a sampled row needs an int seed.
         `logit_adjusts` holds one LogitAdjustWork or None per sequence, `logprobs`
-        the top count each sequence wants reported (None: no logprobs).
+        the top count each sequence wants reported (None: no logprobs). Every
+        tensor reaches the device in one copy per dtype (`hosts_to_device`).
         """
         num_seqs = len(temperatures)
         temps = [float(t) for t in temperatures]
@@ -143,26 +154,54 @@ class SamplingMetadata:
                     "a seed; the engine gives every request one when it is added"
                 )
 
-        def on_device(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return host_to_device(values, dtype, device)
-
+        sampled = [i for i, g in enumerate(greedy) if not g]
+        rows = [] if logit_rows is None else list(logit_rows)
+        fields = [
+            (temps, torch.float32, (num_seqs,)),
+            (ks, torch.long, (num_seqs,)),
+            (ps, torch.float32, (num_seqs,)),
+            ([0 if s is None else s for s in seed_list], torch.long, (num_seqs,)),
+            (pos, torch.long, (num_seqs,)),
+            (sampled, torch.long, (len(sampled),)),
+            (rows, torch.long, (len(rows),)),
+            # As longs, so the flags travel with the other longs.
+            ([int(g) for g in greedy], torch.long, (num_seqs,)),
+        ]
+        if spec_rows is not None:
+            counts = [len(d) for d in spec_rows.drafts]
+            fields += [
+                _padded(spec_rows.drafts),
+                (counts, torch.long, (len(counts),)),
+                # Padding repeats the last row, so every index is a real row.
+                _padded(spec_rows.row_index, repeat_last=True),
+                _padded(spec_rows.block_tables),
+            ]
+        temps_t, ks_t, ps_t, seeds_t, pos_t, sampled_t, rows_t, greedy_t, *spec_t = (
+            hosts_to_device(fields, device)
+        )
+        spec = None
+        if spec_rows is not None:
+            draft_ids, num_drafts, row_index, block_tables = spec_t
+            spec = SpecDecodeMetadata(
+                draft_ids=draft_ids,
+                num_drafts=num_drafts,
+                num_drafts_host=counts,
+                row_index=row_index,
+                block_tables=block_tables,
+            )
         return cls(
             seq_ids=list(seq_ids) if seq_ids is not None else list(range(num_seqs)),
-            temperatures=on_device(temps, torch.float32),
-            top_ks=on_device(ks, torch.long),
-            top_ps=on_device(ps, torch.float32),
-            seeds=on_device([0 if s is None else s for s in seed_list], torch.long),
-            positions=on_device(pos, torch.long),
-            greedy=on_device(greedy, torch.bool),
+            temperatures=temps_t,
+            top_ks=ks_t,
+            top_ps=ps_t,
+            seeds=seeds_t,
+            positions=pos_t,
+            greedy=greedy_t.bool(),
             greedy_host=greedy,
-            sampled_index=on_device(
-                [i for i, g in enumerate(greedy) if not g], torch.long
-            ),
+            sampled_index=sampled_t,
             uses_top_k=any(k > 0 and not g for k, g in zip(ks, greedy)),
             uses_top_p=any(p < 1 and not g for p, g in zip(ps, greedy)),
-            logit_rows=(
-                None if logit_rows is None else on_device(logit_rows, torch.long)
-            ),
+            logit_rows=None if logit_rows is None else rows_t,
             spec=spec,
             adjust=LogitAdjustments.build(logit_adjusts or [], device),
             logprobs=LogprobRequest.build(logprobs or [], device),
@@ -187,13 +226,10 @@ class SamplingMetadata:
                 drafts.append(work.token_ids[1 : 1 + work.num_drafts])
                 sampled.append(work)
             start = end
-        spec = SpecDecodeMetadata(
-            draft_ids=_padded(drafts, device),
-            num_drafts=host_to_device([len(d) for d in drafts], torch.long, device),
-            num_drafts_host=[len(d) for d in drafts],
-            # Padding repeats the last row, so every index is a real row.
-            row_index=_padded(row_index, device, repeat_last=True),
-            block_tables=_padded([w.block_table for w in sampled], device),
+        spec_rows = SpecRows(
+            drafts=drafts,
+            row_index=row_index,
+            block_tables=[w.block_table for w in sampled],
         )
         return cls.build(
             temperatures=[w.temperature for w in sampled],
@@ -204,7 +240,7 @@ class SamplingMetadata:
             device=device,
             seq_ids=[w.seq_id for w in sampled],
             logit_rows=logit_rows,
-            spec=spec,
+            spec_rows=spec_rows,
             logit_adjusts=[w.logit_adjust for w in sampled],
             logprobs=[w.logprobs for w in sampled],
         )
