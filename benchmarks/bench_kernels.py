@@ -21,7 +21,11 @@ import torch
 from atom.kernels.rms_norm import rms_norm_triton
 from atom.model_engine.batch import SeqWork
 from atom.model_engine.model_inputs import prepare_inputs
-from atom.model_ops.attention_backend import TorchMLABackend, select_mla_backend
+from atom.model_ops.attention_backend import (
+    LatentLayer,
+    TorchMLABackend,
+    select_mla_backend,
+)
 from atom.model_ops.kda import l2_normalize
 from atom.model_ops.kda_backend import (
     StateSlots,
@@ -116,7 +120,8 @@ def bench_mla(batch: int, iters: int) -> None:
     q_pe = torch.randn(batch, MLA_HEADS, ROPE, device=dev, dtype=bf16)
     latent = torch.randn(batch, RANK + ROPE, device=dev, dtype=bf16)
     kv_b = torch.randn(MLA_HEADS * (NOPE + V_DIM), RANK, device=dev, dtype=bf16) / 20
-    args = (q_nope, q_pe, latent, cache, kv_b, V_DIM, 0.07, metadata)
+    layer = LatentLayer(cache, 1.0, kv_b, V_DIM, 0.07)
+    args = (q_nope, q_pe, latent, layer, metadata)
     triton = select_mla_backend(dev, "triton")
     ours = time_us(lambda: triton.forward(*args), iters)
     reference = time_us(lambda: TorchMLABackend().forward(*args), iters)

@@ -189,13 +189,13 @@ class TritonKDABackend:
     name = "triton"
 
     def __init__(self, prefill_backend: KDABackend) -> None:
+        # Imported here: the kernel modules import triton, which may be absent.
+        from atom.kernels.kda_conv_decode import kda_conv_decode_in_pool
+        from atom.kernels.kda_decode import kda_decode_in_pool
+
         self.prefill_backend = prefill_backend
-        self._decode = importlib.import_module(
-            "atom.kernels.kda_decode"
-        ).kda_decode_in_pool
-        self._conv = importlib.import_module(
-            "atom.kernels.kda_conv_decode"
-        ).kda_conv_decode_in_pool
+        self._decode = kda_decode_in_pool
+        self._conv = kda_conv_decode_in_pool
 
     def conv_decode(self, mixed, weight, states, metadata):
         return self._conv(

@@ -8,6 +8,7 @@ from atom.kernels.paged_mla_decode import combine
 from atom.model_engine.batch import SeqWork
 from atom.model_engine.model_inputs import prepare_inputs
 from atom.model_ops.attention_backend import (
+    LatentLayer,
     TorchMLABackend,
     select_mla_backend,
 )
@@ -66,7 +67,7 @@ def test_triton_backend_attends_as_the_torch_backend(device, rows, fp8_cache):
     caches = [cache.clone(), cache.clone()]
     outputs = [
         backend.forward(
-            q_nope, q_pe, latent, c, kv_scale, kv_b, V_DIM, 0.3, metadata
+            q_nope, q_pe, latent, LatentLayer(c, kv_scale, kv_b, V_DIM, 0.3), metadata
         ).float()
         for backend, c in zip((triton, TorchMLABackend()), caches)
     ]

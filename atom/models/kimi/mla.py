@@ -11,7 +11,11 @@ import torch
 from torch import nn
 
 from atom.distributed.parallel_state import get_tp_group
-from atom.model_ops.attention_backend import MLABackend, select_mla_backend
+from atom.model_ops.attention_backend import (
+    LatentLayer,
+    MLABackend,
+    select_mla_backend,
+)
 from atom.model_ops.layernorm import RMSNorm
 from atom.model_ops.linear import (
     ColumnParallelLinear,
@@ -89,17 +93,10 @@ class KimiMLAttention(nn.Module):
         latent = torch.cat([self.kv_a_layernorm(c_kv), k_pe], dim=-1)
         if self._backend is None:
             self._backend = select_mla_backend(x.device, self.backend_choice)
-        o = self._backend.forward(
-            q_nope,
-            q_pe,
-            latent,
-            self.kv_cache,
-            self.kv_scale,
-            self.kv_b_proj.weight,
-            self.v_dim,
-            self.scale,
-            metadata,
+        layer = LatentLayer(
+            self.kv_cache, self.kv_scale, self.kv_b_proj.weight, self.v_dim, self.scale
         )
+        o = self._backend.forward(q_nope, q_pe, latent, layer, metadata)
         o = o.reshape(x.shape[0], self.heads * self.v_dim)
         if self.use_output_gate:
             o = o * torch.sigmoid(self.g_proj(x).float())
