@@ -34,6 +34,7 @@ from atom.kv_transfer.regions import (
     Region,
     check_same_layout,
 )
+from atom.utils.api_key import api_key_from_env
 from atom.utils.arithmetic import ceil_div
 
 if TYPE_CHECKING:
@@ -67,7 +68,7 @@ class MooncakeSchedulerConnector(KVConnectorScheduler):
         self._failures: dict[int, str] = {}
         self._peer_layouts: dict[str, EngineLayout] = {}
         # The side channel to producers (peer.py); anything with its two methods.
-        self.peer = HttpPeer(config.peer_timeout_s)
+        self.peer = HttpPeer(config.peer_timeout_s, api_key_from_env())
         # Releases go out in the background: decoding never waits on a producer.
         self._releaser = ThreadPoolExecutor(1, thread_name_prefix="atom-kv-release")
         self._releases: list[Future] = []

@@ -6,12 +6,16 @@ rows), a DSpark consumer at tp2, and the router in front, over Mooncake's
 `tcp` loopback. Streamed and plain completions through the router must equal the
 offline aggregated engine's greedy tokens (and so, by tests/e2e/test_pp_dspark.py,
 target-only), each token streamed once; afterwards neither side holds a transfer
-or a block. With the producer gone, the router answers 502 naming it.
+or a block. The deployment runs behind one API key (ATOM_API_KEY on all three): the
+router refuses a client without it, and presents it to both servers, and the
+consumer presents it on its side channel to the producer. With the producer gone,
+the router answers 502 naming it.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -26,6 +30,9 @@ from tests.entrypoints.server_helpers import REPO_ROOT, Server
 pytest.importorskip("mooncake.engine")
 
 TARGET, DRAFT = PAIRS["k3"]
+API_KEY = "pd-deployment-key"
+KEYED = {"env": {"ATOM_API_KEY": API_KEY}, "api_key": API_KEY}
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
 PROMPTS = corpus_prompts((26, 45))
 MAX_TOKENS = 16
 FLAGS = [
@@ -82,9 +89,11 @@ def blocks_free(server: Server) -> float:
 @pytest.mark.slow
 def test_pd_through_the_router(tmp_path):
     producer = Server(FLAGS + ["-pp", "2", "-tp", "2"] + transfer_config("kv_producer"),
-                      tmp_path / "producer.log")  # fmt: skip
+                      tmp_path / "producer.log", **KEYED)  # fmt: skip
     consumer = Server(
-        FLAGS + ["-tp", "2"] + transfer_config("kv_consumer"), tmp_path / "consumer.log"
+        FLAGS + ["-tp", "2"] + transfer_config("kv_consumer"),
+        tmp_path / "consumer.log",
+        **KEYED,
     )
     proxy_port = free_port()
     proxy_log = tmp_path / "proxy.log"
@@ -108,13 +117,19 @@ def test_pd_through_the_router(tmp_path):
                  "--prefill", producer.base_url, "--decode", consumer.base_url,
                  "--port", str(proxy_port)],
                 cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
+                env={**os.environ, "ATOM_API_KEY": API_KEY},
             )  # fmt: skip
         url = f"http://127.0.0.1:{proxy_port}"
         wait_for_proxy(proxy, url, proxy_log)
         body = {"model": TARGET, "max_tokens": MAX_TOKENS, "temperature": 0}
+        keyless = httpx.post(
+            url + "/v1/completions", json={**body, "prompt": PROMPTS[0]}, timeout=60
+        )
+        assert keyless.status_code == 401
+        assert "API key" in keyless.json()["error"]["message"]
 
         with httpx.stream(
-            "POST", url + "/v1/completions", timeout=120,
+            "POST", url + "/v1/completions", timeout=120, headers=AUTH,
             json={**body, "prompt": PROMPTS[0], "stream": True},
         ) as streamed:  # fmt: skip
             assert streamed.status_code == 200
@@ -122,7 +137,10 @@ def test_pd_through_the_router(tmp_path):
         assert sum(chunks, []) == expected[0]
         assert chunks[0][0] == expected[0][0]  # the producer's token, once
         plain = httpx.post(
-            url + "/v1/completions", json={**body, "prompt": PROMPTS[1]}, timeout=120
+            url + "/v1/completions",
+            json={**body, "prompt": PROMPTS[1]},
+            headers=AUTH,
+            timeout=120,
         )
         assert plain.status_code == 200, plain.text
         assert plain.json()["choices"][0]["token_ids"] == expected[1]
@@ -137,7 +155,10 @@ def test_pd_through_the_router(tmp_path):
 
         producer.stop()
         gone = httpx.post(
-            url + "/v1/completions", json={**body, "prompt": PROMPTS[0]}, timeout=60
+            url + "/v1/completions",
+            json={**body, "prompt": PROMPTS[0]},
+            headers=AUTH,
+            timeout=60,
         )
         assert gone.status_code == 502
         assert producer.base_url in gone.json()["error"]["message"]

@@ -17,6 +17,7 @@ import time
 import httpx
 import pytest
 
+from atom.kv_transfer.peer import HttpPeer, PeerError
 from tests.entrypoints.server_helpers import Server
 from tests.process_helpers import (
     child_pids,
@@ -148,6 +149,15 @@ def test_without_the_key_an_unknown_path_is_401_not_404(server):
     response = httpx.get(server.base_url + "/v1/nowhere", timeout=30)
     assert "API key" in error_message(response, 401)
     assert server.get("/v1/nowhere").status_code == 404
+
+
+def test_the_pd_side_channel_presents_the_key(server):
+    """A consumer's side channel to a keyed server: refused by name without the
+    key; with it, the server answers (that it is no producer)."""
+    with pytest.raises(PeerError, match="ATOM_API_KEY"):
+        HttpPeer(timeout_s=30).layout(server.base_url)
+    with pytest.raises(PeerError, match="is not a P/D producer"):
+        HttpPeer(timeout_s=30, api_key=API_KEY).layout(server.base_url)
 
 
 def test_server_listens_on_loopback_by_default(server):

@@ -19,9 +19,13 @@ from atom.distributed.node_layout import NodeLayoutError
 from atom.entrypoints.openai.async_engine import AsyncEngine, EngineDeadError
 from atom.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics, StatsLogger
 from atom.entrypoints.openai.protocol import ModelCard, ModelList
-from atom.entrypoints.openai.request_guard import RequestGuard
+from atom.entrypoints.openai.request_guard import (
+    DEFAULT_MAX_REQUEST_BODY_BYTES,
+    RequestGuard,
+)
 from atom.entrypoints.openai.serving import APIError, OpenAIServing, error_for
 from atom.model_engine.arg_utils import EngineArgs
+from atom.utils.api_key import API_KEY_ENV, api_key_from_env
 from atom.utils.arg_parser import FlexibleArgumentParser, positive_int
 from atom.utils.clean_exit import exit_cleanly
 from atom.utils.log_format import configure_logging, uvicorn_log_config
@@ -32,8 +36,6 @@ logger = logging.getLogger(__name__)
 # that a stuck client cannot keep the server from exiting.
 GRACEFUL_SHUTDOWN_S = 10
 # Enough for a prompt of a million token ids; a larger body is refused (413).
-DEFAULT_MAX_REQUEST_BODY_BYTES = 8 * 1024 * 1024
-API_KEY_ENV = "ATOM_API_KEY"
 
 
 def build_app(
@@ -321,7 +323,7 @@ def run_server(args: argparse.Namespace) -> None:
             stats_log_interval_s=args.log_stats_interval,
             server_info={"engine_args": engine_args.engine_kwargs()},
             max_request_body_bytes=args.max_request_body_bytes,
-            api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+            api_key=args.api_key or api_key_from_env(),
         )
         config = uvicorn.Config(
             app,

@@ -25,6 +25,7 @@ ASGIApp = Callable[[MutableMapping[str, Any], Receive, Send], Awaitable[None]]
 
 logger = logging.getLogger(__name__)
 
+DEFAULT_MAX_REQUEST_BODY_BYTES = 8 * 1024 * 1024
 # The liveness probe of a load balancer or supervisor, which holds no key.
 OPEN_PATHS = frozenset({"/health"})
 
