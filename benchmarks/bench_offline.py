@@ -30,10 +30,10 @@ from pathlib import Path
 
 from atom import LLMEngine, SamplingParams
 from atom.config import KV_CACHE_DTYPES
-from atom.models.tiny import build
 from atom.models.tiny import configs as tiny_configs
 from atom.models.tiny import weights as tiny_weights
 from atom.models.tiny.excerpt import held_out_prompts
+from atom.models.tiny.folder import save_tensors, write_common
 
 
 def scaled_k3_checkpoint(hidden: int, dtype: str, out: Path) -> str:
@@ -53,9 +53,9 @@ def scaled_k3_checkpoint(hidden: int, dtype: str, out: Path) -> str:
     )
     text["linear_attn_config"].update(num_heads=heads, head_dim=64)
     config["torch_dtype"] = dtype
-    build._write_common(out, config)
+    write_common(out, config)
     tensors = tiny_weights.materialize(tiny_weights.k3_specs(config), seed=0)
-    build._save(tensors, out / "model.safetensors")
+    save_tensors(tensors, out / "model.safetensors")
     return str(out)
 
 
@@ -68,6 +68,19 @@ def corpus_prompts(llm: LLMEngine, n: int, length: int) -> list[list[int]]:
     """Held-out verse openings, `length` tokens each (fewer if a verse is short)."""
     texts = held_out_prompts(n, words=length)
     return [llm.tokenizer.encode(t, add_special_tokens=False)[:length] for t in texts]
+
+
+def sampling_params(args: argparse.Namespace, count: int) -> list[SamplingParams]:
+    """One per prompt; seeded, so sampled runs repeat (greedy ones ignore it)."""
+    return [
+        SamplingParams(
+            temperature=args.temperature,
+            max_tokens=args.output_len,
+            ignore_eos=True,
+            seed=i,
+        )
+        for i in range(count)
+    ]
 
 
 def run(
@@ -94,8 +107,8 @@ def run(
     else:
         vocab = int(llm.config.hf_config.text["vocab_size"])
         prompts = random_prompts(args.num_prompts, args.input_len, vocab, seed=0)
-    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-    llm.generate(prompts[:2], params)  # warm-up
+    params = sampling_params(args, len(prompts))
+    llm.generate(prompts[:2], params[:2])  # warm-up
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
@@ -145,8 +158,8 @@ def batch_scaling(args: argparse.Namespace, model: str) -> None:
     )
     vocab = int(llm.config.hf_config.text["vocab_size"])
     prompts = random_prompts(max(sizes), args.input_len, vocab, seed=0)
-    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-    llm.generate(prompts[:2], params)  # warm-up
+    params = sampling_params(args, len(prompts))
+    llm.generate(prompts[:2], params[:2])  # warm-up
     print(
         f"batch scaling, pp1 x tp1 target-only, input {args.input_len}, "
         f"output {args.output_len}:"
@@ -155,7 +168,7 @@ def batch_scaling(args: argparse.Namespace, model: str) -> None:
     try:
         for size in sizes:
             start = time.perf_counter()
-            outputs = llm.generate(prompts[:size], params)
+            outputs = llm.generate(prompts[:size], params[:size])
             elapsed = time.perf_counter() - start
             tokens = sum(len(o["token_ids"]) for o in outputs)
             rate = tokens / elapsed
@@ -196,6 +209,12 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="0: greedy (ids compared across runs); > 0: seeded sampling per prompt",
+    )
+    parser.add_argument(
         "--batch-sizes",
         help="comma list: measure target-only batch scaling instead of layouts",
     )
@@ -213,6 +232,9 @@ def main() -> None:
             pp, tp = (int(x) for x in layout.split("x"))
             for spec in (False, True) if args.draft_model else (False,):
                 line, tokens = run(args, model, tp, pp, spec)
+                if args.temperature > 0:  # draws differ with speculation: no ids
+                    print(line, flush=True)
+                    continue
                 reference = reference or tokens
                 print(f"{line}; {agreement(tokens, reference)}", flush=True)
 

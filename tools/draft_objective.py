@@ -1,19 +1,24 @@
 """DSpark's block pass written over whole sequences, differentiable (for fitting).
 
-The engine's `KimiK3DSpark.block_forward` reads context rows from the paged KV cache
+The engine's `DSparkDraft.block_forward` reads context rows from the paged KV cache
 under inference mode, one sequence at a time. Fitting needs gradients and many
 anchors per sequence, so this module evaluates the same equations (docs/dspark.md)
 for a batch of sequences and a set of anchors in each, through the draft's own
 submodules: context rows 0..p of an anchor come from the taps, block rows
 [x_{p+1}, m, ..., m] sit at positions p+1..p+T and see each other non-causally.
-`tests/tools/test_fit_draft.py` checks it against the engine path.
+Each draft attention kind has its rewrite here: Kimi's MLA (latent rows expanded by
+kv_b_proj) and the Qwen3 draft's GQA (per-head q/k norms, NeoX RoPE, a sliding
+window over the context). `tests/tools/test_fit_draft.py` checks both against the
+engine path.
 """
 
 from __future__ import annotations
 
 import torch
 
-from atom.models.kimi.dspark import DSparkAttention, KimiK3DSpark
+from atom.models.dspark_base import DSparkDraft
+from atom.models.kimi.dspark import DSparkAttention
+from atom.models.qwen3_dspark.model import Qwen3DSparkAttention
 
 
 def _expand_latent(
@@ -27,7 +32,7 @@ def _expand_latent(
     return k_nope, v, k_pe
 
 
-def _block_attention(
+def _mla_block_attention(
     attn: DSparkAttention,
     x: torch.Tensor,
     positions: torch.Tensor,
@@ -35,7 +40,7 @@ def _block_attention(
     visible: torch.Tensor,
 ) -> torch.Tensor:
     """x [S, A, T, H] block rows (after input_layernorm) at `positions` [S, A, T];
-    context [S, L, H] normalised context; visible [S, A, L] context rows <= p."""
+    context [S, L, H] projected context; visible [S, A, L] context rows <= p."""
     num_seqs, num_anchors, width, hidden = x.shape
     length = context.shape[1]
     flat_positions = positions.reshape(-1)
@@ -57,18 +62,75 @@ def _block_attention(
     context_scores = context_scores + torch.einsum("satnd,sld->santl", q_pe, ck_pe)
     block_scores = torch.einsum("satnd,saund->santu", q_nope, bk_nope)
     block_scores = block_scores + torch.einsum("satnd,saud->santu", q_pe, bk_pe)
-    hidden_mask = ~visible[:, :, None, None, :]
-    context_scores = context_scores.masked_fill(hidden_mask, float("-inf"))
-    scores = torch.cat([context_scores, block_scores], dim=-1) * attn.scale
-    probs = scores.softmax(dim=-1)
-    context_probs, block_probs = probs.split([length, width], dim=-1)
-    out = torch.einsum("santl,slnd->satnd", context_probs, cv)
-    out = out + torch.einsum("santu,saund->satnd", block_probs, bv)
+    out = _attend(
+        context_scores, block_scores, visible[:, :, None, None, :], cv, bv, attn.scale
+    )
     return attn.o_proj(out.reshape(-1, attn.heads * attn.v_dim)).view_as(x)
 
 
+def _attend(
+    context_scores: torch.Tensor,
+    block_scores: torch.Tensor,
+    context_mask: torch.Tensor,
+    context_v: torch.Tensor,
+    block_v: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One softmax over the visible context keys then the whole block: scores
+    [S, A, heads, T, keys], values [S, L, heads, d] and [S, A, T, heads, d];
+    context_mask broadcasts to the context scores. Returns [S, A, T, heads, d]."""
+    length = context_scores.shape[-1]
+    context_scores = context_scores.masked_fill(~context_mask, float("-inf"))
+    scores = torch.cat([context_scores, block_scores], dim=-1) * scale
+    probs = scores.softmax(dim=-1)
+    context_probs, block_probs = probs.split([length, block_scores.shape[-1]], -1)
+    out = torch.einsum("santl,slnd->satnd", context_probs, context_v)
+    return out + torch.einsum("santu,saund->satnd", block_probs, block_v)
+
+
+def _gqa_block_attention(
+    attn: Qwen3DSparkAttention,
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    context: torch.Tensor,
+    visible: torch.Tensor,
+) -> torch.Tensor:
+    """As `_mla_block_attention`, for the Qwen3 draft: context rows are the layer's
+    own k/v of the projected context, and a block row at position a sees context
+    rows a - window + 1 .. p (all of 0..p without a window)."""
+    num_seqs, num_anchors, width, hidden = x.shape
+    length = context.shape[1]
+    group = attn.num_heads // attn.num_kv_heads
+    q, block_rows = attn._qkv(x.reshape(-1, hidden), positions.reshape(-1))
+    context_positions = torch.arange(length, device=x.device).repeat(num_seqs)
+    _, context_rows = attn._qkv(context.reshape(-1, hidden), context_positions)
+
+    def heads(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # [..., k | v] -> k, v [..., query heads, d]: query head i reads KV head i // group.
+        k, v = rows.unflatten(-1, (2, attn.num_kv_heads, attn.head_dim)).unbind(-3)
+        return k.repeat_interleave(group, -2), v.repeat_interleave(group, -2)
+
+    ck, cv = heads(context_rows.view(num_seqs, length, -1))
+    bk, bv = heads(block_rows.view(num_seqs, num_anchors, width, -1))
+    q = q.view(num_seqs, num_anchors, width, attn.num_heads, attn.head_dim)
+    context_scores = torch.einsum("satnd,slnd->santl", q, ck)
+    block_scores = torch.einsum("satnd,saund->santu", q, bk)
+    mask = visible.unsqueeze(-2).expand(-1, -1, width, -1)  # [S, A, T, L]
+    if attn.window is not None:
+        keys = torch.arange(length, device=x.device)
+        mask = mask & (keys >= positions.unsqueeze(-1) - (attn.window - 1))
+    out = _attend(context_scores, block_scores, mask.unsqueeze(2), cv, bv, attn.scale)
+    return attn.o_proj(out.reshape(-1, attn.num_heads * attn.head_dim)).view_as(x)
+
+
+_BLOCK_ATTENTION = {
+    DSparkAttention: _mla_block_attention,
+    Qwen3DSparkAttention: _gqa_block_attention,
+}
+
+
 def block_logits(
-    draft: KimiK3DSpark,
+    draft: DSparkDraft,
     taps_concat: torch.Tensor,
     tokens: torch.Tensor,
     anchor_rows: torch.Tensor,
@@ -87,18 +149,19 @@ def block_logits(
     block_ids = torch.full_like(positions, draft.mask_token_id)
     block_ids[..., 0] = tokens.gather(1, anchor_rows + 1)
     visible = torch.arange(length, device=tokens.device) <= anchor_rows.unsqueeze(-1)
-    context = draft.context_norm(draft.context_proj(taps_concat))
+    context = draft.project_context(taps_concat)
     h = draft.embed_tokens(block_ids)
     for layer in draft.layers:
-        h = h + _block_attention(
+        attention = _BLOCK_ATTENTION[type(layer.self_attn)]
+        h = h + attention(
             layer.self_attn, layer.input_layernorm(h), positions, context, visible
         )
         h = h + layer.mlp(layer.post_attention_layernorm(h))
-    return draft.lm_head.compute_logits(draft.final_norm(h)).float()
+    return draft.lm_head.compute_logits(draft.output_norm(h)).float()
 
 
 def teacher_forced_logits(
-    draft: KimiK3DSpark,
+    draft: DSparkDraft,
     base_logits: torch.Tensor,
     tokens: torch.Tensor,
     anchor_rows: torch.Tensor,
@@ -114,7 +177,7 @@ def teacher_forced_logits(
 
 
 def dspark_loss(
-    draft: KimiK3DSpark,
+    draft: DSparkDraft,
     taps_concat: torch.Tensor,
     tokens: torch.Tensor,
     anchor_rows: torch.Tensor,

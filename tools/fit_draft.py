@@ -23,7 +23,8 @@ from torch import nn
 from atom.config import Config, load_hf_config
 from atom.model_engine.llm_engine import LLMEngine
 from atom.model_loader.loader import load_weights
-from atom.models.kimi.dspark import KimiK3DSpark
+from atom.models.dspark_base import DSparkDraft
+from atom.models.registry import draft_architecture, get_draft_model_class
 from atom.models.utils import language_model_of
 from atom.sampling_params import SamplingParams
 from atom.spec_decode.aux_capture import TapCapture, allocate_tap_buffers
@@ -128,11 +129,14 @@ def trace(
     return traces
 
 
-def load_draft(draft_dir: str, target: nn.Module, config: Config) -> KimiK3DSpark:
-    """The draft of `draft_dir` on the target's device, bound to its table and head."""
+def load_draft(draft_dir: str, target: nn.Module, config: Config) -> DSparkDraft:
+    """The draft of `draft_dir` (its registry class) on the target's device, bound
+    to the target's table and head."""
     device = next(target.parameters()).device
+    draft_config = load_hf_config(draft_dir)
+    draft_class = get_draft_model_class(draft_architecture(draft_config))
     with device:
-        draft = KimiK3DSpark(load_hf_config(draft_dir), config.hf_config.text)
+        draft = draft_class(draft_config, config.hf_config.text)
     load_weights(draft, draft_dir)
     draft.share_with_target(language_model_of(target))
     return draft
@@ -157,7 +161,7 @@ def _batch(traces: Traces, indices: list[int], lm_head: nn.Module):
 
 
 def train(
-    draft: KimiK3DSpark,
+    draft: DSparkDraft,
     traces: Traces,
     settings: DraftSettings,
     seed: int,

@@ -6,6 +6,8 @@ by eos), drawn from a seeded generator; `seconds` > 0 bounds the run by time
 trains every parameter but the routers' correction biases, which carry no gradient
 (they only pick experts): after each step they move against the measured load,
 by `bias_update_rate` times its sign, so that the experts share the tokens.
+Block-sparse layers' lightning indexers learn from the dense attention alongside
+(`tools/indexer_objective.py`, weight `indexer_loss_weight`).
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from atom.models.kimi.moe import KimiMoE
+from atom.model_ops.routed_experts import FusedExperts
+from tools.indexer_objective import SparseLayerHooks, indexer_loss
 from tools.prefill import prefill
 from tools.step_plan import StepPlan, run_steps
 
@@ -37,7 +40,17 @@ class TargetSettings:
     min_lr_ratio: float = 0.1
     bias_update_rate: float = 1e-3
     grad_clip: float = 1.0
+    indexer_loss_weight: float = 1.0
     seconds: float = 0.0  # time budget; 0: exactly `steps`, else at most `steps`
+
+
+@dataclass
+class TargetLosses:
+    """Every step's losses: next-token, and the indexers' (empty without sparse
+    layers)."""
+
+    next_token: list[float]
+    indexer: list[float]
 
 
 def token_stream(encode: Callable[[str], list[int]], texts: list[str], eos: int):
@@ -78,7 +91,14 @@ class ExpertBalancer:
 
     def __init__(self, model: nn.Module, rate: float) -> None:
         self.rate = rate
-        self.moes = [m for m in model.modules() if isinstance(m, KimiMoE)]
+        # Every routed MoE block (Kimi's, MiniMax's): a router gate with a
+        # correction bias beside its fused experts.
+        self.moes = [
+            m
+            for m in model.modules()
+            if isinstance(getattr(m, "experts", None), FusedExperts)
+            and hasattr(getattr(m, "gate", None), "e_score_correction_bias")
+        ]
         self.loads = [torch.zeros(m.experts.num_experts) for m in self.moes]
         self.handles = [
             moe.experts.register_forward_pre_hook(self._counter(i))
@@ -145,32 +165,46 @@ def train_target(
     settings: TargetSettings,
     seed: int,
     progress: Callable[[int, int, float], None] | None = None,
-) -> list[float]:
-    """Train `model` in place; the loss of every step (their count is the number of
-    steps run). Parameters end frozen. `progress(step, total, loss)`."""
+) -> TargetLosses:
+    """Train `model` in place; every step's losses (their count is the number of
+    steps run). Parameters end frozen. `progress(step, total, next-token loss)`."""
     generator = torch.Generator().manual_seed(seed)
     plan = StepPlan(settings.steps, settings.seconds, settings.warmup_steps)
     optimizer = _optimizer(model, settings)
     balancer = ExpertBalancer(model, settings.bias_update_rate)
+    indexers = SparseLayerHooks(model, indexer_loss)
+    losses = TargetLosses([], [])
 
     def step_loss(step: int) -> torch.Tensor:
         windows = random_windows(
             stream, settings.seqs_per_step, settings.seq_len + 1, generator
         )
-        return next_token_loss(model, windows)
+        loss = next_token_loss(model, windows)
+        losses.next_token.append(loss.item())
+        indexer = indexers.take()
+        if indexer is None:
+            return loss
+        losses.indexer.append(indexer.item())
+        return loss + settings.indexer_loss_weight * indexer
+
+    def report(step: int, total: int, _: float) -> None:
+        if progress is not None:
+            progress(step, total, losses.next_token[-1])
 
     try:
-        return run_steps(
+        run_steps(
             plan,
             optimizer,
             partial(learning_rate, settings),
             step_loss,
             settings.grad_clip,
             after_update=balancer.step,
-            progress=progress,
+            progress=report,
         )
+        return losses
     finally:
         balancer.remove()
+        indexers.remove()
         for p in model.parameters():
             p.requires_grad_(False)
 

@@ -1,17 +1,18 @@
-"""Train the built-in tiny models: the K3 target, the Kimi Linear target, then the
-DSpark draft distilled from the trained K3 target.
+"""Train the built-in tiny models of one family: its targets, then the DSpark draft
+distilled from one of them (`tools/tiny_family.py`). The preset names the family:
+Kimi (`cpu`, `h200`, `smoke`) trains the K3 and Kimi Linear targets and the K3
+draft, MiniMax (`minimax-cpu`, `minimax-smoke`) the M3 target and its draft.
 
     python -m tools.train_tiny --config h200 --seed 0 --out OUT \\
         [--corpus-deb bible-kjv-text_4.38_all.deb] [--device auto]
 
-OUT receives `tiny-kimi-k3.safetensors`, `tiny-kimi-linear.safetensors` and
-`tiny-kimi-k3-dspark.safetensors` (bf16, checkpoint names; copy them to
-`atom/models/tiny/trained/` to ship them) and `report.json`: losses, held-out
-perplexities and the draft's acceptance through the engine (a run of some stages
-keeps the other stages' entries of an existing report). Each model is
+OUT receives one `<name>.safetensors` per trained file (bf16, checkpoint names; copy
+them to `atom/models/tiny/trained/` to ship them) and `report.json`: losses,
+held-out perplexities and the draft's acceptance through the engine (a run of some
+stages keeps the other stages' entries of an existing report). Each model is
 evaluated as shipped, i.e. after rounding to bf16, and the draft is distilled
 against the rounded target. `--stages draft` redoes only the distillation, against
-OUT's K3 target if present, else the shipped one. See docs/tiny_models.md.
+OUT's target if present, else the shipped one. See docs/tiny_models.md.
 """
 
 from __future__ import annotations
@@ -28,21 +29,19 @@ from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
-from atom.models.tiny import build
+from atom.models.tiny import trained
 from atom.models.tiny.configs import TOKEN_IDS
 from atom.models.tiny.tokenizer import TOKENIZER_FILE
 from tools import fit_draft
 from tools.corpus import load_corpus, load_excerpt
 from tools.export import export_checkpoint
+from tools.indexer_objective import mean_kept_mass
 from tools.prefill import load_model, pick_device
+from tools.tiny_family import FAMILIES, Family
 from tools.train_config import PRESETS, TrainConfig, with_overrides
 from tools.train_target import perplexity, token_stream, train_target
 
 logger = logging.getLogger("atom.train_tiny")
-
-STAGES = ("k3", "linear", "draft")
-K3_ARCH = "KimiK3ForConditionalGeneration"
-K3, LINEAR, DRAFT = "tiny-kimi-k3", "tiny-kimi-linear", "tiny-kimi-k3-dspark"
 
 
 def _bar(total: int, label: str):
@@ -77,35 +76,43 @@ def _loss_summary(losses: list[float]) -> dict:
     }
 
 
-def _write_target(name: str, folder: Path, tensors: dict[str, torch.Tensor]) -> None:
-    if name == K3:
-        build.write_k3_layout(folder, K3_ARCH, tensors)
-    else:
-        build.write_kimi_linear(folder, tensors)
-
-
 def train_target_stage(
-    name: str, config: TrainConfig, streams: dict, args, tmp: Path
+    stage: str, config: TrainConfig, streams: dict, args, tmp: Path
 ) -> dict:
-    settings = config.k3 if name == K3 else config.linear
+    settings = config.targets[stage]
+    target = FAMILIES[config.family].targets[stage]
+    name = target.name
     device = pick_device(args.device)
-    initial = build.initial_tensors(name)
-    _write_target(name, tmp / f"{name}-initial", initial)
+    initial = trained.initial_tensors(name)
+    target.write(tmp / f"{name}-initial", initial)
     model, _ = load_model(str(tmp / f"{name}-initial"), device)
+    # How much of the dense attention the kept blocks hold, on held-out windows.
+    probe = _held_out_prompts(streams["held_out"], 16, config.eval.ppl_seq_len)
+    initial_kept = mean_kept_mass(model, probe)
     started = time.monotonic()
     bar, progress = _bar(settings.steps, name)
-    losses = train_target(model, streams["train"], settings, args.seed, progress)
+    run = train_target(model, streams["train"], settings, args.seed, progress)
+    losses = run.next_token
     bar.close()
     seconds = time.monotonic() - started
     shipped = _rounded(export_checkpoint(model, initial))
     _save(shipped, args.out / f"{name}.safetensors")
     # Evaluate what ships: the rounded weights through a freshly built folder.
-    _write_target(name, tmp / name, shipped)
+    target.write(tmp / name, shipped)
     rounded, _ = load_model(str(tmp / name), device)
     ppl = perplexity(rounded, streams["held_out"], config.eval.ppl_seq_len)
+    kept = mean_kept_mass(rounded, probe)
     tokens = len(losses) * settings.seqs_per_step * settings.seq_len
     result = {
         "loss": _loss_summary(losses),
+        **(
+            {
+                "indexer_loss": _loss_summary(run.indexer),
+                "kept_attention_mass": {"initial": initial_kept, "trained": kept},
+            }
+            if run.indexer
+            else {}
+        ),
         "held_out_perplexity": ppl,
         "train_perplexity_sample": perplexity(
             rounded,
@@ -129,18 +136,20 @@ def _held_out_prompts(stream: torch.Tensor, count: int, length: int) -> list[lis
 
 def draft_stage(config: TrainConfig, streams: dict, args, tmp: Path) -> dict:
     settings, evals = config.draft, config.eval
+    family = FAMILIES[config.family]
+    teacher = family.targets[family.draft_target]
     device = pick_device(args.device)
-    fresh = args.out / f"{K3}.safetensors"
+    fresh = args.out / f"{teacher.name}.safetensors"
     target_tensors = (
         {k: v.float() for k, v in load_file(str(fresh)).items()}
         if fresh.is_file()
-        else build.trained_tensors(K3)
+        else trained.trained_tensors(teacher.name)
     )
     target_dir = tmp / "draft-target"
-    build.write_k3_layout(target_dir, K3_ARCH, target_tensors)
+    teacher.write(target_dir, target_tensors)
     target, target_config = load_model(str(target_dir), device)
-    initial = build.initial_tensors(DRAFT)
-    build.write_dspark_draft(tmp / "draft-initial", initial, None)
+    initial = trained.initial_tensors(family.draft)
+    family.write_draft(tmp / "draft-initial", initial)
     draft = fit_draft.load_draft(str(tmp / "draft-initial"), target, target_config)
     started = time.monotonic()
     traces = fit_draft.collect_traces(
@@ -148,15 +157,15 @@ def draft_stage(config: TrainConfig, streams: dict, args, tmp: Path) -> dict:
         args.seed, device.type,
     )  # fmt: skip
     trace_seconds = time.monotonic() - started
-    bar, progress = _bar(settings.steps, DRAFT)
+    bar, progress = _bar(settings.steps, family.draft)
     losses = fit_draft.train(draft, traces, settings, args.seed + 1, progress)
     bar.close()
     train_seconds = time.monotonic() - started - trace_seconds
     shipped = _rounded(export_checkpoint(draft, initial))
-    _save(shipped, args.out / f"{DRAFT}.safetensors")
+    _save(shipped, args.out / f"{family.draft}.safetensors")
     del traces, draft, target
     draft_dir = tmp / "draft"
-    build.write_dspark_draft(draft_dir, shipped, None)
+    family.write_draft(draft_dir, shipped)
     prompts = _held_out_prompts(streams["held_out"], evals.prompts, evals.prompt_len)
     width = settings.num_speculative_tokens
     acceptance = {}
@@ -180,7 +189,7 @@ def draft_stage(config: TrainConfig, streams: dict, args, tmp: Path) -> dict:
         "eval": {"prompts": evals.prompts, "prompt_len": evals.prompt_len,
                  "new_tokens": evals.new_tokens, "k": width},
     }  # fmt: skip
-    logger.info("%s: %s", DRAFT, json.dumps(result))
+    logger.info("%s: %s", family.draft, json.dumps(result))
     return result
 
 
@@ -196,13 +205,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--corpus-excerpt", help="train on an excerpt-format file instead (quick runs)"
     )
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    parser.add_argument("--stages", default=",".join(STAGES))
+    parser.add_argument(
+        "--stages", default="", help="comma-separated (default: all of the family's)"
+    )
     parser.add_argument("--threads", type=int, default=0, help="CPU threads (0: keep)")
     args = parser.parse_args(argv)
-    args.stages = [s for s in args.stages.split(",") if s]
-    unknown = sorted(set(args.stages) - set(STAGES))
+    family = FAMILIES[PRESETS[args.config].family]
+    args.stages = [s for s in args.stages.split(",") if s] or list(family.stages)
+    unknown = sorted(set(args.stages) - set(family.stages))
     if unknown:
-        parser.error(f"unknown stages {unknown}; choose from {', '.join(STAGES)}")
+        parser.error(
+            f"unknown stages {unknown} for preset {args.config!r}; choose from "
+            f"{', '.join(family.stages)}"
+        )
     return args
 
 
@@ -229,26 +244,28 @@ def main(argv: list[str] | None = None) -> dict:
         "train": token_stream(encode, [c.text for c in corpus.train], eos),
         "held_out": token_stream(encode, [c.text for c in corpus.held_out], eos),
     }
+    family: Family = FAMILIES[config.family]
     report: dict = {
         "config": args.config,
+        "family": config.family,
         "overrides": args.set,
         "seed": args.seed,
         "device": str(pick_device(args.device)),
         "corpus_tokens": {k: v.numel() for k, v in streams.items()},
     }
     with tempfile.TemporaryDirectory() as tmp:
-        for stage, name in (("k3", K3), ("linear", LINEAR)):
+        for stage, target in family.targets.items():
             if stage in args.stages:
-                report[name] = train_target_stage(
-                    name, config, streams, args, Path(tmp)
+                report[target.name] = train_target_stage(
+                    stage, config, streams, args, Path(tmp)
                 )
         if "draft" in args.stages:
-            report[DRAFT] = draft_stage(config, streams, args, Path(tmp))
+            report[family.draft] = draft_stage(config, streams, args, Path(tmp))
     report["seconds"] = time.monotonic() - started
     # A run of some stages keeps what an earlier run reported for the others.
     path = args.out / "report.json"
     earlier = json.loads(path.read_text()) if path.is_file() else {}
-    kept = {name: earlier[name] for name in (K3, LINEAR, DRAFT) if name in earlier}
+    kept = {name: earlier[name] for name in family.trained_files if name in earlier}
     report = {**kept, **report}
     path.write_text(json.dumps(report, indent=2) + "\n")
     logger.info("wrote %s after %.0f s", args.out, report["seconds"])

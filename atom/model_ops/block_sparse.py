@@ -34,7 +34,7 @@ class IndexerConfig:
     init_blocks: int
 
 
-def _pooled_block_scores(
+def pooled_block_scores(
     index_q: torch.Tensor, index_k: torch.Tensor, visible: torch.Tensor, block_size: int
 ) -> torch.Tensor:
     """[B, G, Q, num_blocks] fp32: each block's best visible index score (-inf when
@@ -49,7 +49,7 @@ def _pooled_block_scores(
     return scores.unflatten(-1, (num_blocks, block_size)).amax(dim=-1)
 
 
-def _kept_blocks(
+def kept_blocks(
     block_scores: torch.Tensor, query_positions: torch.Tensor, indexer: IndexerConfig
 ) -> torch.Tensor:
     """[B, G, Q, num_blocks] bool: the key blocks each query row keeps per head."""
@@ -80,8 +80,8 @@ def block_sparse_visibility(
     index_q [B, Q, G, D]; index_k [B, S, D] (one key head); visible [B, Q, S];
     query_positions [B, Q].
     """
-    block_scores = _pooled_block_scores(index_q, index_k, visible, indexer.block_size)
-    keep = _kept_blocks(block_scores, query_positions, indexer)
+    block_scores = pooled_block_scores(index_q, index_k, visible, indexer.block_size)
+    keep = kept_blocks(block_scores, query_positions, indexer)
     num_keys = index_k.shape[1]
     per_key = keep.repeat_interleave(indexer.block_size, dim=-1)[..., :num_keys]
     return per_key & visible.unsqueeze(1)

@@ -23,7 +23,7 @@ from atom.models.minimax_m3.model import (
 )
 from atom.models.tiny import resolve_model_path
 from atom.models.tiny.configs import TINY_VOCAB_SIZE
-from atom.models.tiny.minimax import minimax_text_config
+from atom.models.tiny.minimax_specs import minimax_text_config
 from atom.models.utils import PPMissingLayer, get_pp_indices
 from atom.spec_decode.pp_aux_relay import PPAuxRelay
 from tests.models.kimi_helpers import EMBEDDING_PLACEMENTS

@@ -13,7 +13,7 @@ import shutil
 import pytest
 import torch
 
-from atom.models.tiny.minimax import minimax_text_config
+from atom.models.tiny.minimax_specs import minimax_text_config
 from atom.models.utils import language_model_of
 from tests.models.kimi_helpers import (
     assert_greedy_decode_matches,

@@ -22,6 +22,7 @@ from atom.models.qwen3_dspark.model import Qwen3DSpark
 from atom.models.registry import draft_tap_ids
 from atom.models.tiny import resolve_model_path
 from atom.models.tiny.configs import TOKEN_IDS
+from atom.models.tiny.minimax_specs import draft_config
 from atom.models.utils import PPMissingLayer, language_model_of
 from tests.models.kimi_helpers import target_of
 from tests.spec_decode.spec_helpers import loaded_drafter
@@ -31,7 +32,8 @@ TARGET, DRAFT, NO_EMBED = (
     "tiny-minimax-m3-dspark",
     "tiny-minimax-m3-dspark-no-embed",
 )
-T, BLOCK_SIZE, WINDOW = 4, 4, 8
+T, BLOCK_SIZE = 4, 4
+WINDOW = draft_config()["dflash_config"]["swa_window_size"]  # 16
 
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
@@ -212,11 +214,11 @@ def test_block_pass_matches_the_reference_and_honours_the_window(pp1):
     lm = language_model_of(target)
     embed, head = lm.model.embed_tokens.weight, lm.lm_head.weight
     gen = torch.Generator().manual_seed(0)
-    context_len, anchor = 13, 77
+    context_len, anchor = 21, 77
     taps = torch.randn(context_len, 2 * 64, generator=gen)
-    slots = torch.arange(context_len)  # block table [0, 1, 2, 3]: slot = position
+    slots = torch.arange(context_len)  # block table [0, ..., 5]: slot = position
     draft.write_context_kv(taps, slots.clone(), slots)
-    table = torch.arange(4).view(1, 4)
+    table = torch.arange(6).view(1, 6)
 
     def block():
         return draft.block_forward(
@@ -228,7 +230,7 @@ def test_block_pass_matches_the_reference_and_honours_the_window(pp1):
         weights, taps, context_len, anchor, embed, head, WINDOW
     )
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
-    # Row 0 sits at position 13 and sees context rows 6..12; row 3 (16) sees 9..12.
+    # Row 0 sits at position 21 and sees context rows 6..20; row 3 (24) sees 9..20.
     # Rows 0..5 are outside every row's window: changing them changes nothing.
     old = taps.clone()
     taps[:6] = torch.randn(6, 128, generator=gen)

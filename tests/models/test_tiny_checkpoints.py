@@ -12,10 +12,10 @@ from safetensors.torch import load_file
 from atom.models.tiny import (
     TINY_MODELS,
     TINY_VERSION,
-    build,
     build_tiny_checkpoint,
     is_tiny_model,
     resolve_model_path,
+    trained,
 )
 from atom.models.tiny.configs import TINY_VOCAB_SIZE as VOCAB
 from atom.models.tiny.tokenizer import SPECIAL_TOKENS
@@ -50,29 +50,41 @@ def test_build_is_byte_deterministic(name, built, tmp_path):
     assert first == second
 
 
-def test_k31_pair_reuses_the_k3_pair(built):
-    """K3.1 is the same stack under another architecture name, so it ships the K3
-    weights, and its draft the K3 draft's (without the embedding copy)."""
-    assert (
-        _load_all(built["tiny-kimi-k3"]).keys()
-        == _load_all(built["tiny-kimi-k31"]).keys()
+# (release, its later release, the draft with its embedding copy, the draft without)
+_RELEASE_PAIRS = [
+    ("tiny-kimi-k3", "tiny-kimi-k31", "tiny-kimi-k3-dspark", "tiny-kimi-k31-dspark"),
+    ("tiny-minimax-m3", "tiny-minimax-m31", "tiny-minimax-m3-dspark",
+     "tiny-minimax-m3-dspark-no-embed"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("first, later, draft, bare_draft", _RELEASE_PAIRS)
+def test_later_release_reuses_the_first_pair(built, first, later, draft, bare_draft):
+    """K3.1 (M3.1) is the same stack under another architecture name, so it ships
+    the K3 (M3) weights, and its draft the same draft without the embedding copy."""
+    tensors, later_tensors = _load_all(built[first]), _load_all(built[later])
+    assert tensors.keys() == later_tensors.keys()
+    assert all(value.equal(later_tensors[name]) for name, value in tensors.items())
+    config = json.loads((built[first] / "config.json").read_text())
+    later_config = json.loads((built[later] / "config.json").read_text())
+    assert later_config["text_config"] == config["text_config"]
+    assert later_config["architectures"] != config["architectures"]
+    with_copy, without = _load_all(built[draft]), _load_all(built[bare_draft])
+    assert with_copy.keys() - without.keys() == {"embed_tokens.weight"}
+    assert all(with_copy[n].equal(v) for n, v in without.items())
+    assert with_copy["embed_tokens.weight"].equal(
+        tensors["language_model.model.embed_tokens.weight"]
     )
-    for name, value in _load_all(built["tiny-kimi-k3"]).items():
-        assert value.equal(_load_all(built["tiny-kimi-k31"])[name]), name
-    k3_draft = _load_all(built["tiny-kimi-k3-dspark"])
-    k31_draft = _load_all(built["tiny-kimi-k31-dspark"])
-    assert k3_draft.keys() - k31_draft.keys() == {"embed_tokens.weight"}
-    assert all(k3_draft[n].equal(v) for n, v in k31_draft.items())
 
 
-@pytest.mark.parametrize("name", build.TRAINED_FILES)
+@pytest.mark.parametrize("name", trained.TRAINED_FILES)
 def test_checkpoints_hold_the_shipped_trained_weights(name, built):
-    shipped = load_file(str(build.trained_path(name)))
+    shipped = load_file(str(trained.trained_path(name)))
     assert all(t.dtype == torch.bfloat16 for t in shipped.values())
     tensors = _load_all(built[name])
     assert all(tensors[n].equal(v.float()) for n, v in shipped.items())
     # Trained: every tensor a gradient reaches moved away from the seeded init.
-    initial = build.initial_tensors(name)
+    initial = trained.initial_tensors(name)
     untrained = {
         n for n, v in shipped.items() if v.float().equal(initial[n].bfloat16().float())
     }
@@ -93,6 +105,13 @@ _UNTRAINED = {
         "language_model.model.layers.0.self_attention_res_norm.weight",
     },
     "tiny-kimi-k3-dspark": {"confidence_head.proj.weight", "confidence_head.bias"},
+    # The lightning indexer trains too (tools/indexer_objective.py).
+    "tiny-minimax-m3": {
+        "vision_tower.vision_model.pre_layrnorm.weight",
+        "multi_modal_projector.linear_1.weight",
+        "patch_merge_mlp.linear_1.weight",
+    },
+    "tiny-minimax-m3-dspark": {"confidence_head.proj.weight", "confidence_head.bias"},
 }
 
 
@@ -155,7 +174,7 @@ def test_k3_layout_is_sharded_with_real_names(built):
 
 def test_k3_initialisation_keeps_every_path_alive():
     """Zero or constant inits would hide broken paths, and training starts here."""
-    tensors = build.initial_tensors("tiny-kimi-k3")
+    tensors = trained.initial_tensors("tiny-kimi-k3")
     m = "language_model.model.layers."
     assert tensors[f"{m}2.mlp_res_proj.weight"].abs().min() > 0
     assert tensors[f"{m}2.block_sparse_moe.gate.e_score_correction_bias"].std() > 0.01

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from atom.models.tiny import build
+from atom.models.tiny import build, trained
 from tools import fit_draft
 from tools.export import export_checkpoint
 from tools.prefill import load_model
@@ -22,7 +22,7 @@ def _write(name: str, folder, tensors) -> None:
 
 @pytest.mark.parametrize("name", ["tiny-kimi-linear", "tiny-kimi-k3"])
 def test_target_export_round_trips_through_the_loader(name, tmp_path):
-    template = build.initial_tensors(name)
+    template = trained.initial_tensors(name)
     _write(name, tmp_path / "a", template)
     model, _ = load_model(str(tmp_path / "a"))
     unchanged = export_checkpoint(model, template)
@@ -50,7 +50,7 @@ def test_target_export_round_trips_through_the_loader(name, tmp_path):
 
 def test_draft_export_keeps_the_confidence_head(tmp_path):
     target, config = load_model("tiny-kimi-k3")
-    template = build.initial_tensors("tiny-kimi-k3-dspark")
+    template = trained.initial_tensors("tiny-kimi-k3-dspark")
     build.write_dspark_draft(tmp_path / "a", template, None)
     draft = fit_draft.load_draft(str(tmp_path / "a"), target, config)
     with torch.no_grad():

@@ -2,7 +2,9 @@
 
 `draft_objective.block_logits` is a differentiable whole-sequence rewrite of the
 engine's paged block pass; it must give the engine path's logits on the same inputs,
-or the draft would be distilled into a different model.
+or the draft would be distilled into a different model. Both draft kinds: Kimi's
+MLA draft and MiniMax's Qwen3 GQA draft, whose 16-position window the 30-token
+sequences cross.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import torch
 
 from atom.model_engine.cache_engine import CacheEngine
 from atom.models.tiny import resolve_model_path
+from atom.models.utils import language_model_of
 from tools import fit_draft
 from tools.draft_objective import block_logits, teacher_forced_logits
 from tools.export import export_checkpoint
@@ -19,25 +22,29 @@ from tools.prefill import load_model
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
 
-TARGET = "tiny-kimi-k3"
-DRAFT = "tiny-kimi-k3-dspark"
+PAIRS = {
+    "kimi": ("tiny-kimi-k3", "tiny-kimi-k3-dspark"),
+    "minimax": ("tiny-minimax-m3", "tiny-minimax-m3-dspark"),
+}
 BLOCK = 4
 
 
-@pytest.fixture(scope="module")
-def setup():
-    target, config = load_model(TARGET)
-    draft = fit_draft.load_draft(resolve_model_path(DRAFT), target, config)
+@pytest.fixture(scope="module", params=sorted(PAIRS))
+def setup(request):
+    target_name, draft_name = PAIRS[request.param]
+    target, config = load_model(target_name)
+    draft_dir = resolve_model_path(draft_name)
+    draft = fit_draft.load_draft(draft_dir, target, config)
     generator = torch.Generator().manual_seed(0)
     sequences = [
         torch.randint(0, 4000, (n,), generator=generator).tolist() for n in (30, 19)
     ]
     traces = fit_draft.trace(target, list(draft.tap_ids), sequences, [0, 0])
-    return target, config, draft, traces
+    return target, config, draft_dir, draft, traces
 
 
 def test_training_forward_equals_engine_block_pass(setup):
-    _, _, draft, traces = setup
+    _, _, _, draft, traces = setup
     width = 5
     tokens = torch.zeros(2, 30, dtype=torch.long)
     taps = torch.zeros(2, 30, traces.taps[0].shape[-1])
@@ -77,16 +84,17 @@ def test_training_forward_equals_engine_block_pass(setup):
 
 
 def test_training_is_seeded_and_moves_only_the_drafts_own_weights(setup):
-    target, config, _, traces = setup
+    target, config, draft_dir, _, traces = setup
     settings = fit_draft.DraftSettings(
         prompts=0, prompt_len=(1, 1), new_tokens=0, sample_temperature=1.0,
         corpus_windows=0, window_len=0, steps=3, batch_seqs=2, anchors_per_seq=3,
         lr=3e-3, warmup_steps=1,
     )  # fmt: skip
-    embedding = target.language_model.model.embed_tokens.weight.clone()
+    table = language_model_of(target).model.embed_tokens.weight
+    embedding = table.clone()
     results = []
     for _ in range(2):
-        draft = fit_draft.load_draft(resolve_model_path(DRAFT), target, config)
+        draft = fit_draft.load_draft(draft_dir, target, config)
         template = {n: p.detach().clone() for n, p in draft.named_parameters()}
         losses = fit_draft.train(draft, traces, settings, seed=0)
         results.append((losses, {n: p.clone() for n, p in draft.named_parameters()}))
@@ -95,10 +103,12 @@ def test_training_is_seeded_and_moves_only_the_drafts_own_weights(setup):
     assert all(params[n].equal(params_again[n]) for n in params)
     assert any(not params[n].equal(template[n]) for n in params)
     assert not any(p.requires_grad for p in draft.parameters())
-    assert target.language_model.model.embed_tokens.weight.equal(embedding)
+    assert table.equal(embedding)
     # The shared table and head are not the draft's parameters.
     assert not any(n.startswith(("embed_tokens", "lm_head")) for n in params)
     # The export splits the merged projection back into its checkpoint halves.
+    merged = draft.layers[0].mlp.gate_up_proj.weight
+    inner = merged.shape[0] // 2
     up = "layers.0.mlp.up_proj.weight"
-    shipped = export_checkpoint(draft, {up: torch.zeros(256, 128)})
-    assert shipped[up].equal(draft.layers[0].mlp.gate_up_proj.weight[256:])
+    shipped = export_checkpoint(draft, {up: torch.zeros(inner, merged.shape[1])})
+    assert shipped[up].equal(merged[inner:])
