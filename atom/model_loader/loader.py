@@ -5,7 +5,8 @@ by its model. A parameter nothing wrote would run with garbage: for a draft that
 shows as collapsed acceptance, which is why this fails instead of warning. Checkpoint
 tensors that map to no parameter fail too. A scale that online quantization computes
 (`quantized_from`, `model_ops/quantization/`) is accounted for by the weight it is
-computed from; once everything is accounted for, the weights are quantized.
+computed from; once everything is accounted for, the weights are quantized. KV
+cache scales are no parameters: they set their layers' `kv_scale` (`kv_scales.py`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from atom.distributed.parallel_state import get_pp_group, get_tp_group
+from atom.model_loader.kv_scales import KVScales, kv_scale_layer
 from atom.model_loader.safetensors_io import iterate_tensors
 from atom.model_ops.linear import default_weight_loader
 from atom.model_ops.quantization.apply import finish_quantization
@@ -61,8 +63,18 @@ def load_weights(model: nn.Module, model_dir: str) -> LoadReport:
     missing_prefixes = missing_layer_prefixes(model)
     plan: dict[str, tuple[str, object]] = {}
     unknown: list[str] = []
+    kv_scales = KVScales(model, map_checkpoint_name)
+    scale_names: set[str] = set()
 
     def wanted(name: str) -> bool:
+        layer = kv_scale_layer(name)
+        if layer is not None:
+            path = kv_scales.module_path(layer)
+            if is_pp_missing_parameter(f"{path}.o_proj.weight", missing_prefixes):
+                report.skipped_other_stage += 1
+                return False
+            scale_names.add(name)
+            return True
         if _declared_skip(model, name):
             report.skipped_declared.append(name)
             return False
@@ -83,6 +95,12 @@ def load_weights(model: nn.Module, model_dir: str) -> LoadReport:
     for name, tensor in iterate_tensors(model_dir, wanted):
         if tensor is None:
             continue
+        if name in scale_names:
+            try:
+                kv_scales.record(name, tensor)
+            except ValueError as err:
+                raise WeightLoadingError(f"[{report.stage}] {err}") from err
+            continue
         param_name, shard_id = plan[name]
         param = params[param_name]
         loader = getattr(param, "weight_loader", None)
@@ -99,6 +117,7 @@ def load_weights(model: nn.Module, model_dir: str) -> LoadReport:
         shards_loaded[param_name].add(shard_id)
 
     problems = [f"checkpoint tensor with no parameter: {u}" for u in sorted(unknown)]
+    problems += kv_scales.apply()
     computed: dict[str, str] = {}
     for param_name, param in params.items():
         if _declared_skip(model, param_name):

@@ -6,8 +6,9 @@ names its blocks in position order; slot = block * block_size + offset.
 
 A cache is stored in the model dtype or, with `--kv-cache-dtype fp8`, in
 float8_e4m3fn: a row is written as rows / scale (clamped to the e4m3 range) and read
-back as stored * scale, where scale is the layer's (`PagedKVLayer.kv_scale`). No
-checkpoint atom loads ships KV scales, so every layer's scale is `DEFAULT_KV_SCALE`.
+back as stored * scale, where scale is the layer's (`PagedKVLayer.kv_scale`): the
+checkpoint's `k_scale` / `v_scale` / `kv_scale` where it ships them
+(`model_loader/kv_scales.py`), else `DEFAULT_KV_SCALE`.
 """
 
 from __future__ import annotations
