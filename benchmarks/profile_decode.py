@@ -102,6 +102,10 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=18)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--transformers-fla", action="store_true")
+    parser.add_argument(
+        "--checkpoint",
+        help="folder for the checkpoint; reused if it holds one (default: temp)",
+    )
     args = parser.parse_args()
     preset = dataclasses.replace(PRESETS[args.preset], dtype=args.dtype)
     batches = [int(b) for b in args.batch_sizes.split(",")]
@@ -109,8 +113,9 @@ def main() -> None:
     limit = min(config.bos_token_id, config.eos_token_id, config.pad_token_id)
     prompts = random_prompts(max(batches), args.input_len, limit, args.seed)
     with tempfile.TemporaryDirectory() as tmp:
-        folder = Path(tmp) / "kimi-linear"
-        build_checkpoint(preset, folder, args)
+        folder = Path(args.checkpoint or Path(tmp) / "kimi-linear")
+        if not (folder / "config.json").is_file():
+            build_checkpoint(preset, folder, args)
         for eager in [False, True] if args.eager else [False]:
             engine = LLMEngine(
                 str(folder),
