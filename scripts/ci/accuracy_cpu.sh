@@ -114,7 +114,7 @@ status=0
   --same-score-as "$out/target/lm_eval" \
   --acceptance-reference .github/accuracy/tiny_reference.json \
   --server-log "$out/pd/server.log" --mtp-stats "$out/pd/mtp_stats.json" \
-  --expect-marker relay=0 --expect-marker kda_rollback=2 \
+  --expect-marker relay=0 --expect-marker kda_rollback=2 --no-pd-fallback \
   --summary "$out/pd/gate.json" || status=1
 choice=(--task kjv_choice --metric "acc,none" --num-fewshot 0
   --num-samples "$num_docs" --min-over-chance 2)
@@ -125,9 +125,4 @@ choice=(--task kjv_choice --metric "acc,none" --num-fewshot 0
   --results "$out/dspark/lm_eval" "${choice[@]}" \
   --same-score-as "$out/target/lm_eval" \
   --summary "$out/dspark/gate_choice.json" || status=1
-if grep -q "falling back to prefill" "$out/pd/server.log"; then
-  echo "accuracy_cpu: P/D requests fell back to a local prefill:" >&2
-  grep "falling back to prefill" "$out/pd/server.log" | head -5 >&2
-  status=1
-fi
 exit "$status"

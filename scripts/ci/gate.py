@@ -6,7 +6,9 @@
 `--entry` takes the thresholds and expected marker counts from the catalog
 (scripts/ci/catalog.py) and ROCm/ATOM's GSM8K expectations (3-shot, all 1319
 problems, gated on `exact_match,flexible-extract`); explicit flags override them,
-and without `--entry` only the given checks run. Acceptance comes from the
+and without `--entry` only the given checks run. For a P/D entry the server log is
+the consumer's, `--producer-log` the producer's (its own markers, no missing
+weights), and no request may have fallen back to a local prefill. Acceptance comes from the
 /debug/mtp_stats body when given, else from the log's last cumulative
 `[MTP Stats` line; thresholds are fractions. Exit 0 when every check passes, 1
 when one fails, 2 when an input is unusable.
@@ -27,6 +29,7 @@ from scripts.ci.server_log import (
     MARKERS,
     Acceptance,
     LogError,
+    LogScan,
     acceptance_from_stats,
     read_stats_file,
     scan_log,
@@ -177,6 +180,9 @@ class GateSettings:
     acceptance_rule: str = ""
     markers: dict[str, int] | None = None
     same_score_as: str | None = None
+    # P/D: the producer's start-up markers, and whether a fallback fails the run.
+    producer_markers: dict[str, int] | None = None
+    no_pd_fallback: bool = False
 
 
 def run_checks(
@@ -184,6 +190,7 @@ def run_checks(
     result: EvalResult,
     server_log: str | None,
     stats: dict[str, Any] | None,
+    producer_log: str | None = None,
 ) -> tuple[list[Check], dict[str, Any]]:
     checks: list[Check] = []
     facts: dict[str, Any] = {}
@@ -265,23 +272,46 @@ def run_checks(
                     f" = {settings.acceptance_rule}" if settings.acceptance_rule else ""
                 ),
             )
-    if scan is not None:
-        facts["markers"] = scan.marker_counts()
+
+    def check_log(scan: LogScan, label: str, markers: dict[str, int]) -> None:
+        lines = scan.missing_weight_lines
         check(
-            "missing weights",
-            not scan.missing_weight_lines,
-            f"{len(scan.missing_weight_lines)} missing-weight lines"
-            + "".join(f"\n      {line}" for line in scan.missing_weight_lines[:5]),
+            f"{label}missing weights",
+            not lines,
+            f"{len(lines)} missing-weight lines"
+            + "".join(f"\n      {line}" for line in lines[:5]),
         )
-        for name, expected in (settings.markers or {}).items():
+        for name, expected in markers.items():
             found = len(scan.markers[name])
             check(
-                f"marker {name}",
+                f"{label}marker {name}",
                 found == expected,
                 f"{found} '{MARKERS[name]}' lines == {expected}",
             )
+
+    if scan is not None:
+        facts["markers"] = scan.marker_counts()
+        check_log(scan, "", settings.markers or {})
     elif settings.markers:
         check("markers", False, "expected marker counts need --server-log")
+    if producer_log is not None:
+        producer = scan_log(producer_log)
+        facts["producer_markers"] = producer.marker_counts()
+        check_log(producer, "producer ", settings.producer_markers or {})
+    elif settings.producer_markers:
+        check("producer markers", False, "a P/D entry's gate needs --producer-log")
+    if settings.no_pd_fallback:
+        if scan is None:
+            check("P/D fallbacks", False, "counting fallbacks needs --server-log")
+        else:
+            lines = scan.pd_fallback_lines
+            facts["pd_fallbacks"] = len(lines)
+            check(
+                "P/D fallbacks",
+                not lines,
+                f"{len(lines)} requests fell back to a local prefill == 0"
+                + "".join(f"\n      {line}" for line in lines[:5]),
+            )
     return checks, facts
 
 
@@ -300,6 +330,8 @@ def settings_from_args(args: argparse.Namespace) -> GateSettings:
         settings.num_samples = GSM8K_TEST_SIZE
         settings.acceptance_min = entry.acceptance_min
         settings.markers = entry.log_markers
+        settings.producer_markers = entry.producer_log_markers
+        settings.no_pd_fallback = entry.pd is not None
     overrides = {
         "accuracy_min": args.accuracy_min,
         "num_fewshot": args.num_fewshot,
@@ -315,6 +347,8 @@ def settings_from_args(args: argparse.Namespace) -> GateSettings:
         settings.acceptance_min, settings.acceptance_rule = reference_acceptance(
             args.acceptance_reference
         )
+    if args.no_pd_fallback:
+        settings.no_pd_fallback = True
     if args.expect_marker:
         settings.markers = {**(settings.markers or {}), **dict(args.expect_marker)}
     for what in ("accuracy_min", "acceptance_min"):
@@ -359,7 +393,14 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--acceptance-reference", help="recorded-figure JSON: threshold = rate - tol"
     )
-    parser.add_argument("--server-log")
+    parser.add_argument("--server-log", help="the server's log (P/D: the consumer's)")
+    parser.add_argument("--producer-log", help="a P/D producer's log")
+    parser.add_argument(
+        "--no-pd-fallback",
+        action="store_true",
+        help="fail if a P/D request fell back to a local prefill (implied by a P/D "
+        "--entry)",
+    )
     parser.add_argument("--mtp-stats", help="saved GET /debug/mtp_stats body")
     parser.add_argument(
         "--expect-marker", type=_marker, action="append", help="e.g. relay=4"
@@ -373,11 +414,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         settings = settings_from_args(args)
         result = read_eval_result(args.results, settings.task, settings.metric)
-        log = None
-        if args.server_log:
-            log = Path(args.server_log).read_text(encoding="utf-8", errors="replace")
+        logs = [
+            Path(p).read_text(encoding="utf-8", errors="replace") if p else None
+            for p in (args.server_log, args.producer_log)
+        ]
         stats = read_stats_file(args.mtp_stats) if args.mtp_stats else None
-        checks, facts = run_checks(settings, result, log, stats)
+        checks, facts = run_checks(settings, result, logs[0], stats, logs[1])
     except (GateInputError, LogError, CatalogError, OSError) as error:
         print(f"gate: {error}", file=sys.stderr)
         return 2

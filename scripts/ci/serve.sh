@@ -5,6 +5,8 @@
 #
 #   --entry NAME        serve a catalog entry: its model_path, extraArgs and env_vars,
 #                       Hugging Face ids read as folders under --models-dir
+#   --side SIDE         of a P/D entry, serve the producer or the consumer: its own
+#                       flags, kv_transfer_config and GPUs are added
 #   --catalog FILE      default .github/accuracy/catalog.json
 #   --models-dir DIR    default $ATOM_MODELS_DIR, else /models
 #   --serve-args FLAGS  more `atom serve` flags, whitespace-separated (no quoting)
@@ -27,6 +29,7 @@ port=8000
 log=atom_server.log
 mtp_stats=""
 entry=""
+side=()
 catalog=.github/accuracy/catalog.json
 models_dir="${ATOM_MODELS_DIR:-/models}"
 extra=""
@@ -34,13 +37,14 @@ ready_timeout=2700
 stop_grace_s=60
 
 usage() {
-  sed -n '4,21p' "$0" | sed 's/^# \{0,1\}//' >&2
+  sed -n '4,23p' "$0" | sed 's/^# \{0,1\}//' >&2
   exit 2
 }
 
 while [ $# -gt 0 ]; do
   case "$1" in
     --entry) entry="$2"; shift 2 ;;
+    --side) side=(--side "$2"); shift 2 ;;
     --catalog) catalog="$2"; shift 2 ;;
     --models-dir) models_dir="$2"; shift 2 ;;
     --serve-args) extra="$2"; shift 2 ;;
@@ -56,12 +60,14 @@ done
 
 serve_args=()
 server_env=()
+[ -n "$entry" ] || [ ${#side[@]} -eq 0 ] || { echo "serve.sh: --side needs --entry" >&2; usage; }
 if [ -n "$entry" ]; then
   scratch="$(mktemp)"
   "$python" -m scripts.ci.catalog --catalog "$catalog" serve-args "$entry" \
-    --models-dir "$models_dir" > "$scratch"
+    --models-dir "$models_dir" ${side[@]+"${side[@]}"} > "$scratch"
   mapfile -d '' -t serve_args < "$scratch"
-  "$python" -m scripts.ci.catalog --catalog "$catalog" env "$entry" > "$scratch"
+  "$python" -m scripts.ci.catalog --catalog "$catalog" env "$entry" \
+    ${side[@]+"${side[@]}"} > "$scratch"
   mapfile -d '' -t server_env < "$scratch"
   rm -f "$scratch"
 fi

@@ -8,6 +8,9 @@
   (atom/model_engine/model_runner.py logs both).
 - Missing-weight warnings: atom's loader refuses a checkpoint that leaves a
   parameter unloaded, so any such line means something else is wrong.
+- P/D fallbacks: a consumer that could not receive a request's KV logs that it
+  prefills the request itself (atom/model_engine/scheduler.py); a P/D run must
+  have none, or it measured aggregated serving.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ MTP_FIELDS = re.compile(
     r"Acceptance rate: (?P<rate>[\d.]+)%"
 )
 MARKERS = {"relay": "[PPAuxRelay]", "kda_rollback": "[KDA rollback]"}
+PD_FALLBACK = "falling back to prefill"
 MISSING_WEIGHT = re.compile(
     r"\bmissing[ _-]?(weights?|param\w*|tensors?|keys?)\b"
     r"|\b(weights?|param\w*|tensors?)\b[^\n]{0,80}\b(not|never) "
@@ -55,6 +59,7 @@ class Acceptance:
 class LogScan:
     markers: dict[str, list[str]] = field(default_factory=dict)
     missing_weight_lines: list[str] = field(default_factory=list)
+    pd_fallback_lines: list[str] = field(default_factory=list)
     mtp_lines: int = 0
     interval_lines: int = 0
     acceptance: Acceptance | None = None
@@ -84,7 +89,8 @@ def parse_mtp_line(line: str) -> Acceptance:
 
 
 def scan_log(text: str) -> LogScan:
-    """Markers, missing-weight lines and the last cumulative MTP line of a log."""
+    """Markers, missing-weight and P/D fallback lines and the last cumulative MTP
+    line of a log."""
     scan = LogScan(markers={name: [] for name in MARKERS})
     last_cumulative = None
     for line in text.splitlines():
@@ -93,6 +99,8 @@ def scan_log(text: str) -> LogScan:
                 scan.markers[name].append(line)
         if MISSING_WEIGHT.search(line):
             scan.missing_weight_lines.append(line)
+        if PD_FALLBACK in line:
+            scan.pd_fallback_lines.append(line)
         mtp = MTP_LINE.search(line)
         if mtp is None:
             continue

@@ -1,4 +1,5 @@
-"""The GPU accuracy catalog: the committed entries and the checks on bad ones."""
+"""The GPU accuracy catalog: the committed entries, aggregated and P/D, and the
+checks on bad ones."""
 
 import json
 import shlex
@@ -6,6 +7,8 @@ import shlex
 import pytest
 
 from atom.entrypoints.openai.api_server import add_server_args
+from atom.kv_transfer.config import KVTransferConfig
+from atom.kv_transfer.factory import check_connector_name
 from atom.utils.arg_parser import FlexibleArgumentParser
 from scripts.ci import catalog
 from scripts.ci.catalog import CatalogError, check_entry, find_entry, load_catalog
@@ -17,12 +20,20 @@ REQUIRED = [
     "Kimi-K3 DSpark PP2",
     "Kimi-K3.1 DSpark PP2",
     "MiniMax-M3 DSpark PP2",
+    "Kimi-K3 DSpark PP2 P/D",
+    "MiniMax-M3 DSpark PP4 P/D",
 ]
+SERVERS = [(entry, side) for entry in ENTRIES for side in entry.sides()]
 
 
-def server_args(entry):
+def server_args(entry, side=None):
     parser = add_server_args(FlexibleArgumentParser(prog="atom serve"))
-    return parser.parse_args(entry.serve_args("/models"))
+    return parser.parse_args(entry.serve_args("/models", side))
+
+
+def server_gpus(entry, side):
+    args = server_args(entry, side)
+    return args.tensor_parallel_size * args.pipeline_parallel_size
 
 
 def test_the_required_entries_exist():
@@ -30,21 +41,84 @@ def test_the_required_entries_exist():
     assert set(REQUIRED) <= set(names)
 
 
-@pytest.mark.parametrize("entry", ENTRIES, ids=lambda e: e.slug)
-def test_every_entry_parses_as_atom_serve_flags_and_fills_its_gpus(entry):
-    args = server_args(entry)
+@pytest.mark.parametrize(
+    "entry, side", SERVERS, ids=lambda x: x.slug if hasattr(x, "slug") else str(x)
+)
+def test_every_server_parses_as_atom_serve_flags_and_fills_its_gpus(entry, side):
+    args = server_args(entry, side)
     assert args.model == f"/models/{entry.fields['model_path']}"
-    assert (
-        args.tensor_parallel_size * args.pipeline_parallel_size == entry.fields["gpus"]
-    )
+    gpus = entry.pd[side]["gpus"] if side else entry.fields["gpus"]
+    assert server_gpus(entry, side) == gpus
+    markers = entry.producer_log_markers if side == "producer" else entry.log_markers
     if args.method == "dspark":
         assert args.draft_model.startswith("/models/")
-        assert entry.log_markers["relay"] == (
-            args.tensor_parallel_size if args.pipeline_parallel_size > 1 else 0
-        )
+        # Every stage but the last arms taps for the relay, once per TP rank.
+        pp, tp = args.pipeline_parallel_size, args.tensor_parallel_size
+        assert markers["relay"] == (pp - 1) * tp
     else:
         assert entry.acceptance_min is None
-        assert entry.log_markers == {"relay": 0, "kda_rollback": 0}
+        assert markers == {"relay": 0, "kda_rollback": 0}
+    if side is None:
+        assert args.kv_transfer_config is None
+    else:
+        config = KVTransferConfig.parse(args.kv_transfer_config)
+        assert config.kv_role == f"kv_{side}"
+        assert check_connector_name(config) == "atom.kv_transfer.mooncake_connector"
+        assert config.protocol == "rdma"  # GPU memory between two processes
+
+
+@pytest.mark.parametrize("entry", [e for e in ENTRIES if e.pd], ids=lambda e: e.slug)
+def test_pd_sides_share_the_model_settings_and_split_the_runner(entry):
+    producer, consumer = (server_args(entry, side) for side in ("producer", "consumer"))
+    for setting in ("model", "method", "draft_model", "num_speculative_tokens",
+                    "block_size", "kv_cache_dtype", "tensor_parallel_size"):  # fmt: skip
+        assert getattr(producer, setting) == getattr(consumer, setting), setting
+    devices = entry.devices("producer") + entry.devices("consumer")
+    assert devices == list(range(entry.fields["gpus"]))
+    variable = catalog.VISIBLE_DEVICES[entry.fields["platform"]]
+    assert entry.env("consumer")[variable] == ",".join(
+        str(d) for d in entry.devices("consumer")
+    )
+    assert variable not in entry.env()
+
+
+def test_the_kimi_pd_entry_is_the_upstream_pp2_producer_with_an_equal_tp_consumer():
+    entry = find_entry(ENTRIES, "Kimi-K3 DSpark PP2 P/D")
+    producer = server_args(entry, "producer")
+    consumer = server_args(entry, "consumer")
+    assert (producer.pipeline_parallel_size, producer.tensor_parallel_size) == (2, 4)
+    assert (consumer.pipeline_parallel_size, consumer.tensor_parallel_size) == (1, 4)
+    assert producer.method == "dspark" and producer.num_speculative_tokens == 7
+    pp2 = find_entry(ENTRIES, "Kimi-K3 DSpark PP2")
+    for field in ("accuracy_threshold", "acceptance_min"):
+        assert entry.fields[field] == pp2.fields[field]
+    # The producer starts as the PP2 entry does; the consumer is the tp4 half.
+    assert (
+        entry.producer_log_markers == pp2.log_markers == {"relay": 4, "kda_rollback": 8}
+    )
+    assert entry.log_markers == {"relay": 0, "kda_rollback": 4}
+    assert entry.env("producer") == {"HIP_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}
+    assert entry.env("consumer") == {"HIP_VISIBLE_DEVICES": "8,9,10,11"}
+    assert entry.checkpoints() == ["moonshotai/Kimi-K3", "Inferact/Kimi-K3-DSpark"]
+    # 12 GPUs: no scheduled level runs it on the 8-GPU runners.
+    assert entry.fields["test_level"] == "manual"
+
+
+def test_the_minimax_pd_entry_has_a_pp4_producer_on_one_runner():
+    entry = find_entry(ENTRIES, "MiniMax-M3 DSpark PP4 P/D")
+    producer = server_args(entry, "producer")
+    assert producer.pipeline_parallel_size == 4
+    assert producer.draft_model == "/models/nvidia/MiniMax-M3-DSpark"
+    assert entry.fields["gpus"] == 8 and "gpu-8" in entry.fields["runner"]
+    assert entry.fields["test_level"] == "nightly"
+    assert (
+        entry.producer_log_markers
+        == entry.log_markers
+        == {
+            "relay": 3,
+            "kda_rollback": 0,
+        }
+    )
 
 
 def test_the_pp2_entry_is_the_upstream_configuration():
@@ -75,14 +149,20 @@ def test_the_k31_entry_serves_the_k31_draft():
 def test_levels_nest_and_only_picks_names():
     rows = {
         level: [row["model_name"] for row in catalog.matrix(ENTRIES, level, [])]
-        for level in catalog.LEVELS
+        for level in catalog.LEVELS_RUN
     }
     assert set(rows["pr"]) <= set(rows["main"]) <= set(rows["nightly"])
-    assert rows["nightly"] == [entry.name for entry in ENTRIES]
+    scheduled = [e.name for e in ENTRIES if e.fields["test_level"] != "manual"]
+    assert rows["nightly"] == scheduled
     assert "Kimi-K3 DSpark PP2" in rows["pr"]
+    assert "MiniMax-M3 DSpark PP4 P/D" in rows["nightly"]
     only = catalog.matrix(ENTRIES, "pr", ["MiniMax-M3 DSpark PP2"])
     assert [row["slug"] for row in only] == ["MiniMax-M3-DSpark-PP2"]
-    assert only[0]["runner"][:1] == ["self-hosted"]
+    assert only[0]["runner"][:1] == ["self-hosted"] and only[0]["pd"] is False
+    manual = catalog.matrix(ENTRIES, "nightly", ["Kimi-K3 DSpark PP2 P/D"])
+    assert manual[0]["pd"] is True and manual[0]["gpus"] == 12
+    with pytest.raises(CatalogError, match="level must be one of"):
+        catalog.matrix(ENTRIES, "manual", [])
 
 
 def test_the_client_command_is_upstream_gsm8k_and_placeholders_must_resolve():
@@ -149,3 +229,65 @@ def test_cli_prints_nul_separated_arguments_and_exits_2_on_an_unknown_entry(caps
     assert shlex.join(args[2:]).startswith("-pp 2 -tp 4")
     assert catalog.main(["serve-args", "No such entry"]) == 2
     assert "no catalog entry named 'No such entry'" in capsys.readouterr().err
+
+
+def good_pd_fields():
+    return json.loads(json.dumps(find_entry(ENTRIES, "Kimi-K3 DSpark PP2 P/D").fields))
+
+
+def pd_change(side, **changes):
+    fields = good_pd_fields()
+    fields["pd"][side].update(changes)
+    return fields
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (pd_change("consumer", kv_transfer_config={"kv_role": "kv_producer"}),
+         "pd.consumer: kv_transfer_config kv_role must be 'kv_consumer', got 'kv_producer'"),
+        (pd_change("producer", kv_transfer_config={}), "kv_role must be 'kv_producer', got None"),
+        (pd_change("consumer", extraArgs="-tp 8"),
+         "tensor parallel size 4 differs from the consumer's 8"),
+        (pd_change("consumer", extraArgs="--tensor_parallel_size=2"), "consumer's 2"),
+        (pd_change("consumer", gpus=8), r"\(8 \+ 8 = 16\), got 12"),
+        (pd_change("producer", log_markers={"relay": 4}), "pd.producer: log_markers"),
+        (pd_change("producer", extra="x"), r"pd.producer: unknown fields \['extra'\]"),
+        (pd_change("producer", extraArgs="-tp 4 --kv-transfer-config {}"),
+         "pd.producer.extraArgs must not set --kv-transfer-config"),
+        (pd_change("consumer", extraArgs="-tp 4 --kv_role kv_consumer"), "--kv-role"),
+        ({**good_pd_fields(), "pd": {"producer": {}}}, "pd must have exactly"),
+        ({**good_pd_fields(), "log_markers": {"relay": 0, "kda_rollback": 4}},
+         "not both"),
+        ({**good_pd_fields(), "env_vars": "HIP_VISIBLE_DEVICES=0"},
+         "must not set HIP_VISIBLE_DEVICES"),
+        ({**good_pd_fields(), "runner": ["self-hosted", "rocm", "gpu-8"]},
+         "runner label 'gpu-8' offers fewer GPUs than the entry's 12"),
+        ({**good_fields(), "extraArgs": "-tp 8 --kv-transfer-config {}"},
+         "a P/D entry gives them per side in a pd block"),
+    ],
+)  # fmt: skip
+def test_bad_pd_entries_are_refused_by_name(fields, message):
+    with pytest.raises(CatalogError, match=message):
+        check_entry(fields, 6)
+
+
+def test_a_pd_entry_serves_only_by_side_and_an_aggregated_one_has_none(capsys):
+    pd = find_entry(ENTRIES, "Kimi-K3 DSpark PP2 P/D")
+    with pytest.raises(CatalogError, match="name its side, producer or consumer"):
+        pd.serve_args("/models")
+    with pytest.raises(CatalogError, match="not a P/D entry: no producer side"):
+        find_entry(ENTRIES, "Kimi-K3 DSpark PP2").serve_args("/models", "producer")
+    name = "MiniMax-M3 DSpark PP4 P/D"
+    assert catalog.main(["serve-args", name, "--side", "consumer"]) == 0
+    args = capsys.readouterr().out.split("\0")[:-1]
+    assert args[-4:] == [
+        "-pp", "4", "--kv-transfer-config",
+        '{"kv_role":"kv_consumer","kv_connector":"mooncake","protocol":"rdma"}',
+    ]  # fmt: skip
+    assert catalog.main(["env", name, "--side", "consumer"]) == 0
+    assert capsys.readouterr().out == "HIP_VISIBLE_DEVICES=4,5,6,7\0"
+    assert catalog.main(["sides", name]) == 0
+    assert capsys.readouterr().out.split() == ["producer", "consumer"]
+    assert catalog.main(["sides", "Kimi-K3 DSpark PP2"]) == 0
+    assert capsys.readouterr().out.split() == []

@@ -312,3 +312,69 @@ def test_recorded_acceptance_applies_only_to_the_weights_it_names(tmp_path):
     stale.write_text(json.dumps(recorded))
     with pytest.raises(gate.GateInputError, match="other weights"):
         gate.reference_acceptance(stale)
+
+
+PD = "Kimi-K3 DSpark PP2 P/D"
+FALLBACK = (
+    "WARNING atom.model_engine.scheduler: KV receive failed for request 7: "
+    "producer unreachable; falling back to prefill\n"
+)
+
+
+def pd_logs(tmp_path: Path, consumer_tail: str = "") -> tuple[Path, Path]:
+    """A pp2 x tp4 producer's start-up and a tp4 consumer's, with its MTP line."""
+    producer = pp2_log(tmp_path, "").rename(tmp_path / "producer.log")
+    mtp = cumulative_line(7504, 14000, 2000)
+    consumer = pp2_log(tmp_path, mtp + consumer_tail, relay=0, kda=4)
+    return consumer, producer
+
+
+def run_pd_gate(tmp_path: Path, *logs: str) -> tuple[int, dict]:
+    return run_gate(
+        tmp_path, "--entry", PD, "--results", str(DATA / "gsm8k_results.json"), *logs
+    )
+
+
+def test_a_pd_entry_gates_the_consumer_the_producer_and_fallbacks(tmp_path):
+    consumer, producer = pd_logs(tmp_path)
+    code, summary = run_pd_gate(
+        tmp_path, "--server-log", str(consumer), "--producer-log", str(producer)
+    )
+    assert code == 0, summary
+    assert {c["name"] for c in summary["checks"]} >= {
+        "acceptance", "marker relay", "marker kda_rollback", "producer missing weights",
+        "producer marker relay", "producer marker kda_rollback", "P/D fallbacks",
+    }  # fmt: skip
+    assert summary["markers"] == {"relay": 0, "kda_rollback": 4}
+    assert summary["producer_markers"] == {"relay": 4, "kda_rollback": 8}
+    assert summary["pd_fallbacks"] == 0
+
+
+def test_a_pd_request_that_fell_back_to_local_prefill_fails(tmp_path):
+    consumer, producer = pd_logs(tmp_path, FALLBACK)
+    code, summary = run_pd_gate(
+        tmp_path, "--server-log", str(consumer), "--producer-log", str(producer)
+    )
+    assert code == 1 and failed(summary) == ["P/D fallbacks"]
+    assert "producer unreachable" in summary["checks"][-1]["detail"]
+
+
+def test_a_pd_entry_needs_the_producer_log_with_its_own_markers(tmp_path):
+    consumer, producer = pd_logs(tmp_path)
+    code, summary = run_pd_gate(tmp_path, "--server-log", str(consumer))
+    assert code == 1 and failed(summary) == ["producer markers"]
+    swapped = ["--server-log", str(producer), "--producer-log", str(consumer)]
+    code, summary = run_pd_gate(tmp_path, *swapped)
+    assert code == 1
+    assert {"producer marker relay", "marker relay"} <= set(failed(summary))
+
+
+def test_no_pd_fallback_applies_to_any_run(tmp_path):
+    log = pp2_log(tmp_path, cumulative_line(7504, 14000, 2000) + FALLBACK)
+    args = ["--entry", PP2, "--results", str(DATA / "gsm8k_results.json")]
+    code, _ = run_gate(tmp_path, *args, "--server-log", str(log))
+    assert code == 0  # an aggregated entry has no P/D requests to count
+    code, summary = run_gate(
+        tmp_path, *args, "--server-log", str(log), "--no-pd-fallback"
+    )
+    assert code == 1 and failed(summary) == ["P/D fallbacks"]

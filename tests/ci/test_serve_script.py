@@ -2,6 +2,7 @@
 runs against a ready, warmed-up server, its status comes back, and the server is
 gone afterwards; bad usage and a server that cannot start are reported."""
 
+import json
 import os
 import subprocess
 import sys
@@ -64,6 +65,8 @@ def test_a_server_that_cannot_start_exits_3_with_its_log(tmp_path):
         ([], "give --entry or --serve-args"),
         (["--serve-args", "-tp 2"], "name no --model"),
         (["--entry", "No such entry"], "no catalog entry named"),
+        (["--entry", "Kimi-K3 DSpark PP2 P/D"], "name its side, producer or consumer"),
+        (["--side", "producer", "--serve-args", "--model m"], "--side needs --entry"),
         (["--bogus"], "unknown option"),
     ],
 )
@@ -71,3 +74,35 @@ def test_bad_usage_exits_2(tmp_path, options, message):
     done = serve(tmp_path, *options)
     assert done.returncode == 2
     assert message in done.stderr
+
+
+@pytest.mark.slow
+def test_a_pd_side_is_served_with_its_kv_transfer_config(tmp_path):
+    side = {"extraArgs": "-tp 1", "gpus": 1,
+            "log_markers": {"relay": 0, "kda_rollback": 1}}  # fmt: skip
+    entry = {
+        "model_name": "tiny P/D", "model_path": "tiny-kimi-k3", "env_vars": "",
+        "extraArgs": "--device cpu", "runner": ["self-hosted", "cuda"],
+        "platform": "cuda", "gpus": 2, "test_level": "manual",
+        "accuracy_threshold": 0.1, "accuracy_baseline": 0.1,
+        "accuracy_baseline_model": "tiny-kimi-k3", "_baseline_note": "",
+        "acceptance_min": None,
+        "pd": {role: {**side, "kv_transfer_config": {"kv_role": f"kv_{role}"}}
+               for role in ("producer", "consumer")},
+    }  # fmt: skip
+    catalog = tmp_path / "catalog.json"
+    catalog.write_text(json.dumps([entry]))
+    probe = (
+        "import json, os, urllib.request\n"
+        "url = os.environ['ATOM_SERVER_URL'] + '/kv_transfer_info'\n"
+        "print('ROLE', json.load(urllib.request.urlopen(url))['kv_role'])\n"
+        "print('DEVICES', os.environ.get('CUDA_VISIBLE_DEVICES'))\n"
+    )
+    done = serve(
+        tmp_path, "--catalog", str(catalog), "--entry", "tiny P/D",
+        "--side", "consumer", command=(sys.executable, "-c", probe),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "ROLE kv_consumer" in done.stdout
+    # The visible-devices variable reaches the server only, not the command.
+    assert f"DEVICES {os.environ.get('CUDA_VISIBLE_DEVICES')}" in done.stdout

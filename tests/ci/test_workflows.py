@@ -69,3 +69,17 @@ def test_accuracy_workflow_has_its_required_pieces():
     for needed in ("--device=/dev/kfd", "--device /dev/dri", "--group-add video",
                    "--gpus all", "scripts.ci.fetch", "accuracy_entry.sh"):  # fmt: skip
         assert needed in runs, needed
+
+
+def test_pd_entries_get_mooncake_for_their_platform():
+    workflow = load(REPO_ROOT / ".github" / "workflows" / "gpu-accuracy.yaml")
+    steps = workflow["jobs"]["gpu"]["steps"]
+    install = [s for s in steps if s.get("if") == "matrix.pd"]
+    assert len(install) == 1
+    for wheel in ("mooncake-transfer-engine-rocm", "mooncake-transfer-engine ",
+                  "libibverbs1 librdmacm1 libnuma1"):  # fmt: skip
+        assert wheel in install[0]["run"] + " ", wheel
+    names = [s.get("name") for s in steps]
+    assert names.index(install[0]["name"]) < next(
+        i for i, s in enumerate(steps) if "accuracy_entry.sh" in s.get("run", "")
+    )
