@@ -1,11 +1,15 @@
 """Gated FFN activations: SiLU (SwiGLU), SiTU and the clamped SwiGLU-OAI.
 
-Both take the packed `[..., 2I]` projection, gate half first, and return `[..., I]`.
+Each takes the packed `[..., 2I]` projection, gate half first, and returns `[..., I]`.
+On CUDA one Triton kernel computes any of them (`kernels/gated_act.py`); each
+module's `reference` is the torch definition the kernel is tested against.
 """
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from atom.kernels import triton_available
 
 silu = F.silu
 
@@ -18,15 +22,37 @@ def _split_gate_up(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return x.chunk(2, dim=-1)
 
 
-class SiluAndMul(nn.Module):
-    """silu(gate) * up."""
+class GatedActivation(nn.Module):
+    """act(gate) * up: the Triton kernel on CUDA, `reference` elsewhere."""
+
+    def kernel_args(self) -> tuple[str, float, float | None]:
+        """(activation name, p0, p1) as `kernels.gated_act.gated_act_triton` takes."""
+        raise NotImplementedError
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and triton_available(x.device):
+            from atom.kernels.gated_act import gated_act_triton
+
+            _split_gate_up(x)  # the same error as the reference for an odd width
+            return gated_act_triton(x, *self.kernel_args())
+        return self.reference(x)
+
+
+class SiluAndMul(GatedActivation):
+    """silu(gate) * up."""
+
+    def kernel_args(self) -> tuple[str, float, float | None]:
+        return "silu", 0.0, None
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = _split_gate_up(x)
         return F.silu(gate) * up
 
 
-class SiTUAndMul(nn.Module):
+class SiTUAndMul(GatedActivation):
     """act(gate) * up' with act(g) = beta*tanh(g/beta)*sigmoid(g) and, when
     linear_beta is set, up' = linear_beta*tanh(u/linear_beta); fp32 compute."""
 
@@ -40,7 +66,10 @@ class SiTUAndMul(nn.Module):
         self.beta = float(beta)
         self.linear_beta = None if linear_beta is None else float(linear_beta)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def kernel_args(self) -> tuple[str, float, float | None]:
+        return "situ", self.beta, self.linear_beta
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = (half.float() for half in _split_gate_up(x))
         act = self.beta * torch.tanh(gate / self.beta) * torch.sigmoid(gate)
         if self.linear_beta is not None:
@@ -51,7 +80,7 @@ class SiTUAndMul(nn.Module):
         return f"beta={self.beta}, linear_beta={self.linear_beta}"
 
 
-class SwigluOAIAndMul(nn.Module):
+class SwigluOAIAndMul(GatedActivation):
     """(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit).
 
     The gate has no lower clamp; the "+1" on the up half is part of the activation.
@@ -67,7 +96,10 @@ class SwigluOAIAndMul(nn.Module):
         self.alpha = float(alpha)
         self.limit = float(limit)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def kernel_args(self) -> tuple[str, float, float | None]:
+        return "swiglu_oai", self.alpha, self.limit
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = _split_gate_up(x)
         gate = gate.clamp(max=self.limit)
         up = up.clamp(min=-self.limit, max=self.limit)

@@ -26,6 +26,10 @@ ExpertPath = Literal["grouped_mm", "triton", "loop"]
 # The paths with no host synchronisation, which a CUDA graph can capture.
 CAPTURABLE_PATHS = ("grouped_mm", "triton")
 
+# The Triton alignment is one program whose work grows with pairs x experts: above
+# this many (token, choice) pairs (prefill) the torch ops are faster.
+_TRITON_ALIGN_MAX_PAIRS = 8192
+
 # _grouped_mm wants 16-byte aligned rows.
 _ALIGNMENT_BYTES = 16
 
@@ -80,6 +84,34 @@ def expert_path(w13: torch.Tensor, w2: torch.Tensor) -> ExpertPath:
     return "loop"
 
 
+def align_to_experts(
+    expert_ids: torch.Tensor, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(order, position, group_ends) of the (token, choice) pairs sorted by expert.
+
+    order [N]: the flat pair (token * k + choice) at each sorted row, stable, so
+    pairs of one expert keep their token order; position [N]: its inverse, the
+    sorted row of each pair; group_ends [E] int32: the cumulative group sizes. On
+    CUDA a decode-sized step takes one Triton launch (`kernels/moe_align.py`).
+    """
+    flat_ids = expert_ids.reshape(-1)
+    if (
+        flat_ids.is_cuda
+        and flat_ids.numel() <= _TRITON_ALIGN_MAX_PAIRS
+        and triton_available(flat_ids.device)
+    ):
+        from atom.kernels.moe_align import align_to_experts_triton
+
+        return align_to_experts_triton(flat_ids, num_experts)
+    order = flat_ids.argsort(stable=True)
+    # A scatter, not bincount: CUDA's bincount reads its input's max on the host.
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=flat_ids.device)
+    counts.index_add_(0, flat_ids, torch.ones_like(flat_ids, dtype=torch.int32))
+    position = torch.empty_like(order)
+    position[order] = torch.arange(order.numel(), device=order.device)
+    return order, position, counts.cumsum(0, dtype=torch.int32)
+
+
 def grouped_expert_mlp(
     x: torch.Tensor,
     routing_weights: torch.Tensor,
@@ -99,21 +131,13 @@ def grouped_expert_mlp(
     """
     transform = row_transform or (lambda rows: rows)
     num_tokens, top_k = expert_ids.shape
-    num_experts = w13.shape[0]
-    flat_ids = expert_ids.reshape(-1)
-    order = flat_ids.argsort(stable=True)
+    order, position, group_ends = align_to_experts(expert_ids, w13.shape[0])
     token_of = order // top_k
-    # A scatter, not bincount: CUDA's bincount reads its input's max on the host.
-    counts = torch.zeros(num_experts, dtype=torch.int32, device=x.device)
-    counts.index_add_(0, flat_ids, torch.ones_like(flat_ids, dtype=torch.int32))
-    group_ends = counts.cumsum(0, dtype=torch.int32)
     inner = act(
         _grouped_linear(transform(x), w13, group_ends, path, row_source=token_of)
     )
     y = _grouped_linear(transform(inner), w2, group_ends, path)
     # Back to (token, choice) order and a weighted sum over each token's k rows: a
     # gather and a reduction, where a scatter-add into the tokens would take atomics.
-    position = torch.empty_like(order)
-    position[order] = torch.arange(order.numel(), device=order.device)
     per_choice = y.index_select(0, position).view(num_tokens, top_k, -1).float()
     return (per_choice * routing_weights.float().unsqueeze(-1)).sum(dim=1)

@@ -1,10 +1,13 @@
 """Top-k expert selection (noaux_tc; docs/kimi_k3.md, MoE).
 
 Sigmoid (or softmax) scores pick experts after adding the load-balancing correction
-bias; the mixing weights are the unbiased scores.
+bias; the mixing weights are the unbiased scores. On CUDA one Triton program per token
+does it all (`kernels/moe_routing.py`); this torch code is its reference.
 """
 
 import torch
+
+from atom.kernels import triton_available
 
 _SCORINGS = ("sigmoid", "softmax")
 
@@ -47,6 +50,36 @@ def select_experts(
             f"expected {num_experts}"
         )
 
+    args = (
+        router_logits,
+        correction_bias,
+        top_k,
+        num_expert_group,
+        topk_group,
+        renormalize,
+        routed_scaling_factor,
+        scoring,
+    )
+    if router_logits.is_cuda and triton_available(router_logits.device):
+        from atom.kernels.moe_routing import select_experts_triton
+
+        return select_experts_triton(*args)
+    return select_experts_reference(*args)
+
+
+def select_experts_reference(
+    router_logits: torch.Tensor,
+    correction_bias: torch.Tensor | None,
+    top_k: int,
+    num_expert_group: int,
+    topk_group: int,
+    renormalize: bool,
+    routed_scaling_factor: float,
+    scoring: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`select_experts` in torch ops, for arguments it has validated."""
+    num_experts = router_logits.shape[1]
+    per_group = num_experts // num_expert_group
     logits = router_logits.float()
     scores = logits.sigmoid() if scoring == "sigmoid" else logits.softmax(dim=-1)
     choice = scores

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from atom.distributed.parallel_state import get_tp_group
+from atom.kernels import triton_available
 from atom.model_ops.kda import (
     causal_conv1d,
     kda_forget_gate,
@@ -177,8 +178,19 @@ class KimiDeltaAttention(nn.Module):
             if hasattr(self, "g_proj")
             else self.g_b_proj(self.g_a_proj(x))
         )
-        y = kda_output_norm_gate(o, self.o_norm.weight, gate, self.eps)
+        if self._fused_norms(x):
+            from atom.kernels.kda_head_norms import output_norm_gate
+
+            y = output_norm_gate(o, self.o_norm.weight, gate, self.eps, x.dtype)
+        else:
+            y = kda_output_norm_gate(o, self.o_norm.weight, gate, self.eps)
         return self.o_proj(y.to(x.dtype))
+
+    @staticmethod
+    def _fused_norms(x: torch.Tensor) -> bool:
+        """Whether the per-head norms run as Triton kernels (`kernels/kda_head_norms.py`)
+        rather than their torch references: on CUDA, where each launch counts."""
+        return x.is_cuda and triton_available(x.device)
 
     def _recur(
         self, mixed: torch.Tensor, log_decay: torch.Tensor, beta: torch.Tensor
@@ -209,11 +221,17 @@ class KimiDeltaAttention(nn.Module):
                 mixed, self._conv_weight(), conv.gather(), lengths
             )
             conv.scatter(conv_out, None)
-        q, k, v = (
-            part.reshape(batch, rows, self.heads, self.head_dim)
-            for part in conved.split(self.local_width, dim=-1)
-        )
-        q, k = l2_normalize(q), l2_normalize(k)
+        v = conved[..., 2 * self.local_width :]
+        v = v.reshape(batch, rows, self.heads, self.head_dim)
+        if self._fused_norms(conved):
+            from atom.kernels.kda_head_norms import l2_normalize_qk
+
+            q, k = l2_normalize_qk(conved, self.heads, self.head_dim)
+        else:
+            q, k = (
+                l2_normalize(part.reshape(batch, rows, self.heads, self.head_dim))
+                for part in conved[..., : 2 * self.local_width].chunk(2, dim=-1)
+            )
         if decode:
             return self._backend.decode(q, k, v, log_decay, beta, ssm)
         o, final = self._backend.prefill(
