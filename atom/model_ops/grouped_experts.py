@@ -130,14 +130,27 @@ def grouped_expert_mlp(
     given, maps the rows each projection reads (fp8 rounds them per token).
     """
     transform = row_transform or (lambda rows: rows)
-    num_tokens, top_k = expert_ids.shape
+    top_k = expert_ids.shape[1]
     order, position, group_ends = align_to_experts(expert_ids, w13.shape[0])
     token_of = order // top_k
     inner = act(
         _grouped_linear(transform(x), w13, group_ends, path, row_source=token_of)
     )
     y = _grouped_linear(transform(inner), w2, group_ends, path)
-    # Back to (token, choice) order and a weighted sum over each token's k rows: a
-    # gather and a reduction, where a scatter-add into the tokens would take atomics.
+    return combine_expert_rows(y, position, routing_weights)
+
+
+def combine_expert_rows(
+    y: torch.Tensor, position: torch.Tensor, routing_weights: torch.Tensor
+) -> torch.Tensor:
+    """[T, D] fp32: each token's k rows of the sorted expert output y [T*k, D], read
+    at `position` and summed with their routing weights [T, k]. A gather and a
+    reduction, where a scatter-add into the tokens would take atomics; on CUDA one
+    Triton launch (`kernels/moe_combine.py`)."""
+    if y.is_cuda and triton_available(y.device):
+        from atom.kernels.moe_combine import combine_expert_rows_triton
+
+        return combine_expert_rows_triton(y, position, routing_weights)
+    num_tokens, top_k = routing_weights.shape
     per_choice = y.index_select(0, position).view(num_tokens, top_k, -1).float()
     return (per_choice * routing_weights.float().unsqueeze(-1)).sum(dim=1)

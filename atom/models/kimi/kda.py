@@ -103,6 +103,8 @@ class KimiDeltaAttention(nn.Module):
         self.ssm_state: torch.Tensor | None = None
         self.conv_snapshots: torch.Tensor | None = None
         self.ssm_snapshots: torch.Tensor | None = None
+        # (source data pointers, derived tensors) of `_derived_weights`.
+        self._derived: tuple[tuple[int, ...], tuple[torch.Tensor, ...]] | None = None
 
     def state_spec(self) -> tuple[StateTensor, ...]:
         """Per slot: the conv inputs [3P/tp, K-1] in the model dtype and the
@@ -143,8 +145,23 @@ class KimiDeltaAttention(nn.Module):
         param.data.copy_(mine)
 
     def _conv_weight(self) -> torch.Tensor:
-        weights = (self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight)
-        return torch.cat(weights, dim=0)[:, 0, :]
+        return self._derived_weights()[0]
+
+    def _derived_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the q, k, v conv weights as one [3W/tp, K], b_proj's weight in fp32),
+        made once from the loaded parameters instead of by a copy and a cast in
+        every forward; made again if the parameters were replaced or moved."""
+        sources = (
+            self.q_conv1d.weight,
+            self.k_conv1d.weight,
+            self.v_conv1d.weight,
+            self.b_proj.weight,
+        )
+        key = tuple(p.data_ptr() for p in sources)
+        if self._derived is None or self._derived[0] != key:
+            conv = torch.cat(sources[:3], dim=0)[:, 0, :]
+            self._derived = (key, (conv, self.b_proj.weight.float()))
+        return self._derived[1]
 
     def _require_cache(self) -> None:
         if self.conv_state is None or self.ssm_state is None:
@@ -167,7 +184,7 @@ class KimiDeltaAttention(nn.Module):
             self.lower_bound,
         )
         # The write strength is formed in fp32: bf16 here measurably costs accuracy.
-        beta = torch.sigmoid(F.linear(x.float(), self.b_proj.weight.float()))
+        beta = torch.sigmoid(F.linear(x.float(), self._derived_weights()[1]))
         o = metadata.unpad(
             self._recur(
                 metadata.pad(mixed), metadata.pad(log_decay), metadata.pad(beta)
