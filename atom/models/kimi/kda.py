@@ -177,14 +177,28 @@ class KimiDeltaAttention(nn.Module):
         tokens = x.shape[0]
         mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         low_rank = self.f_b_proj(self.f_a_proj(x))
-        log_decay = kda_forget_gate(
-            low_rank.view(tokens, self.heads, self.head_dim),
-            self.A_log,
-            self.dt_bias,
-            self.lower_bound,
-        )
         # The write strength is formed in fp32: bf16 here measurably costs accuracy.
-        beta = torch.sigmoid(F.linear(x.float(), self._derived_weights()[1]))
+        b_logits = F.linear(x.float(), self._derived_weights()[1])
+        if self._pointwise_kernels(x):
+            from atom.kernels.kda_gates import kda_gates_triton
+
+            log_decay, beta = kda_gates_triton(
+                low_rank,
+                self.A_log,
+                self.dt_bias,
+                self.lower_bound,
+                b_logits,
+                self.heads,
+                self.head_dim,
+            )
+        else:
+            log_decay = kda_forget_gate(
+                low_rank.view(tokens, self.heads, self.head_dim),
+                self.A_log,
+                self.dt_bias,
+                self.lower_bound,
+            )
+            beta = torch.sigmoid(b_logits)
         o = metadata.unpad(
             self._recur(
                 metadata.pad(mixed), metadata.pad(log_decay), metadata.pad(beta)
@@ -195,7 +209,7 @@ class KimiDeltaAttention(nn.Module):
             if hasattr(self, "g_proj")
             else self.g_b_proj(self.g_a_proj(x))
         )
-        if self._fused_norms(x):
+        if self._pointwise_kernels(x):
             from atom.kernels.kda_head_norms import output_norm_gate
 
             y = output_norm_gate(o, self.o_norm.weight, gate, self.eps, x.dtype)
@@ -204,9 +218,10 @@ class KimiDeltaAttention(nn.Module):
         return self.o_proj(y.to(x.dtype))
 
     @staticmethod
-    def _fused_norms(x: torch.Tensor) -> bool:
-        """Whether the per-head norms run as Triton kernels (`kernels/kda_head_norms.py`)
-        rather than their torch references: on CUDA, where each launch counts."""
+    def _pointwise_kernels(x: torch.Tensor) -> bool:
+        """Whether the gates and per-head norms run as Triton kernels
+        (`kernels/kda_gates.py`, `kernels/kda_head_norms.py`) rather than their
+        torch references: on CUDA, where each launch counts."""
         return x.is_cuda and triton_available(x.device)
 
     def _recur(
@@ -240,7 +255,7 @@ class KimiDeltaAttention(nn.Module):
             conv.scatter(conv_out, None)
         v = conved[..., 2 * self.local_width :]
         v = v.reshape(batch, rows, self.heads, self.head_dim)
-        if self._fused_norms(conved):
+        if self._pointwise_kernels(conved):
             from atom.kernels.kda_head_norms import l2_normalize_qk
 
             q, k = l2_normalize_qk(conved, self.heads, self.head_dim)
