@@ -10,6 +10,9 @@ multiplies one contiguous group of rows. Three paths compute the same products:
   projection in any dtype, no host sync: every other CUDA case.
 - `loop`: one `F.linear` per group, reading the group sizes on the host once (an
   old torch without `_grouped_mm`, misaligned widths, no Triton). Not capturable.
+
+`routed_mlp` holds the sort and the combine with the two products as arguments, so
+the fp8 experts (`quantization/ptpc_fp8.py`) share them with `grouped_expert_mlp`.
 """
 
 from __future__ import annotations
@@ -80,6 +83,42 @@ def expert_path(w13: torch.Tensor, w2: torch.Tensor) -> ExpertPath:
     return "loop"
 
 
+# One projection of every routed row: (rows, group_ends, row_source) -> the sorted
+# rows' outputs, as `_grouped_linear` defines them.
+GroupedProduct = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor
+]
+
+
+def routed_mlp(
+    x: torch.Tensor,
+    routing_weights: torch.Tensor,
+    expert_ids: torch.Tensor,
+    num_experts: int,
+    up: GroupedProduct,
+    down: GroupedProduct,
+    act: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """sum_k routing_weights[:, k] * down(act(up(x))) for expert ids[:, k], as
+    [N, D] fp32: the sort by expert and the combine around two grouped products
+    (`up` reads x through the sorted rows' tokens), whatever form the weights take."""
+    num_tokens, top_k = expert_ids.shape
+    flat_ids = expert_ids.reshape(-1)
+    order = flat_ids.argsort(stable=True)
+    token_of = order // top_k
+    # A scatter, not bincount: CUDA's bincount reads its input's max on the host.
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=x.device)
+    counts.index_add_(0, flat_ids, torch.ones_like(flat_ids, dtype=torch.int32))
+    group_ends = counts.cumsum(0, dtype=torch.int32)
+    y = down(act(up(x, group_ends, token_of)), group_ends, None)
+    # Back to (token, choice) order and a weighted sum over each token's k rows: a
+    # gather and a reduction, where a scatter-add into the tokens would take atomics.
+    position = torch.empty_like(order)
+    position[order] = torch.arange(order.numel(), device=order.device)
+    per_choice = y.index_select(0, position).view(num_tokens, top_k, -1).float()
+    return (per_choice * routing_weights.float().unsqueeze(-1)).sum(dim=1)
+
+
 def grouped_expert_mlp(
     x: torch.Tensor,
     routing_weights: torch.Tensor,
@@ -98,22 +137,12 @@ def grouped_expert_mlp(
     given, maps the rows each projection reads (fp8 rounds them per token).
     """
     transform = row_transform or (lambda rows: rows)
-    num_tokens, top_k = expert_ids.shape
-    num_experts = w13.shape[0]
-    flat_ids = expert_ids.reshape(-1)
-    order = flat_ids.argsort(stable=True)
-    token_of = order // top_k
-    # A scatter, not bincount: CUDA's bincount reads its input's max on the host.
-    counts = torch.zeros(num_experts, dtype=torch.int32, device=x.device)
-    counts.index_add_(0, flat_ids, torch.ones_like(flat_ids, dtype=torch.int32))
-    group_ends = counts.cumsum(0, dtype=torch.int32)
-    inner = act(
-        _grouped_linear(transform(x), w13, group_ends, path, row_source=token_of)
+
+    def product(weight: torch.Tensor) -> GroupedProduct:
+        return lambda rows, group_ends, row_source: _grouped_linear(
+            transform(rows), weight, group_ends, path, row_source
+        )
+
+    return routed_mlp(
+        x, routing_weights, expert_ids, w13.shape[0], product(w13), product(w2), act
     )
-    y = _grouped_linear(transform(inner), w2, group_ends, path)
-    # Back to (token, choice) order and a weighted sum over each token's k rows: a
-    # gather and a reduction, where a scatter-add into the tokens would take atomics.
-    position = torch.empty_like(order)
-    position[order] = torch.arange(order.numel(), device=order.device)
-    per_choice = y.index_select(0, position).view(num_tokens, top_k, -1).float()
-    return (per_choice * routing_weights.float().unsqueeze(-1)).sum(dim=1)
