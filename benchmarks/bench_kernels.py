@@ -2,7 +2,9 @@
 
 Shapes are those of `bench_vs_transformers.py`'s issue10 preset (2.6 B Kimi Linear,
 bf16): KDA 16 heads of 128, conv width 4, MLA 16 heads over a 512 + 64 latent row
-at 320 tokens of context in a 400-token table, RMSNorm over 2304. Per kernel and
+at 320 tokens of context in a 400-token table, RMSNorm over 2304; ptpc_fp8's linear
+at 4096 x 7168 and its routed experts (64 of width 2304 and 768 inner, top 8)
+against the same products in bf16. Per kernel and
 batch it prints microseconds per call (CUDA events, mean of `--iters` replays
 after a warm-up), the bytes the call must move at least, the bandwidth that gives as a
 fraction of the H200's 4.8 TB/s, and the speed-up over the torch reference. Each
@@ -17,15 +19,18 @@ import argparse
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 from atom.kernels.rms_norm import rms_norm_triton
 from atom.model_engine.batch import SeqWork
 from atom.model_engine.model_inputs import prepare_inputs
+from atom.model_ops.activation import get_act_and_mul
 from atom.model_ops.attention_backend import (
     LatentLayer,
     TorchMLABackend,
     select_mla_backend,
 )
+from atom.model_ops.grouped_experts import expert_path, grouped_expert_mlp
 from atom.model_ops.kda import l2_normalize
 from atom.model_ops.kda_backend import (
     StateSlots,
@@ -34,11 +39,18 @@ from atom.model_ops.kda_backend import (
     torch_decode,
 )
 from atom.model_ops.layernorm import rms_norm_reference
+from atom.model_ops.quantization.ptpc_fp8 import (
+    fp8_expert_mlp,
+    fp8_linear,
+    quantize_rows,
+)
 
 HBM_BYTES_PER_S = 4.8e12
 KDA_HEADS, KDA_DIM, CONV_WIDTH = 16, 128, 4
 MLA_HEADS, NOPE, ROPE, RANK, V_DIM = 16, 128, 64, 512, 128
 HIDDEN, CONTEXT, TABLE_TOKENS, BLOCK_SIZE = 2304, 320, 400, 16
+LINEAR_OUT, LINEAR_IN = 4096, 7168
+EXPERTS, TOP_K, EXPERT_INNER = 64, 8, 768
 
 
 def time_us(fn: Callable[[], object], iters: int) -> float:
@@ -143,6 +155,42 @@ def bench_norm(batch: int, iters: int) -> None:
     report("add+rmsnorm", batch, ours, time_us(reference, iters), 4 * x.numel() * 2)
 
 
+def bench_fp8(batch: int, iters: int) -> None:
+    """ptpc_fp8 against bf16: the fp8 linear, then the routed experts (whose fp8
+    reference syncs with the host, so it has no graph to time)."""
+    dev, bf16 = "cuda", torch.bfloat16
+    x = torch.randn(batch, LINEAR_IN, device=dev, dtype=bf16)
+    weight = torch.randn(LINEAR_OUT, LINEAR_IN, device=dev, dtype=bf16) / 80
+    codes, scale = quantize_rows(weight)
+    ours = time_us(lambda: fp8_linear(x, codes, scale), iters)
+    moved = codes.numel() + (x.numel() + batch * LINEAR_OUT) * 2
+    report(
+        "fp8 linear", batch, ours, time_us(lambda: F.linear(x, weight), iters), moved
+    )
+    x = torch.randn(batch, HIDDEN, device=dev, dtype=bf16)
+    ids = torch.stack([torch.randperm(EXPERTS, device=dev)[:TOP_K] for _ in x])
+    routing = torch.rand(batch, TOP_K, device=dev)
+    w13 = torch.randn(EXPERTS, 2 * EXPERT_INNER, HIDDEN, device=dev, dtype=bf16) / 50
+    w2 = torch.randn(EXPERTS, HIDDEN, EXPERT_INNER, device=dev, dtype=bf16) / 30
+    act = get_act_and_mul("silu")
+    path = expert_path(w13, w2)
+
+    def reference():
+        return grouped_expert_mlp(x, routing, ids, w13, w2, act, path)
+
+    experts = torch.nn.Module()
+    experts.act = act
+    for name, stack in (("w13", w13), ("w2", w2)):
+        codes, scale = quantize_rows(stack)
+        setattr(experts, name, codes)
+        setattr(experts, f"{name}_scale", scale)
+    ours = time_us(lambda: fp8_expert_mlp(x, routing, ids, experts), iters)
+    used = min(EXPERTS, batch * TOP_K)
+    report(
+        "fp8 experts", batch, ours, time_us(reference, iters), used * 3 * w2[0].numel()
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch-sizes", default="1,32,128")
@@ -154,6 +202,7 @@ def main() -> None:
             bench_kda(batch, args.iters)
             bench_mla(batch, args.iters)
             bench_norm(batch, args.iters)
+            bench_fp8(batch, args.iters)
 
 
 if __name__ == "__main__":

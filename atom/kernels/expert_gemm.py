@@ -8,6 +8,12 @@ on its length (ceil(M / BLOCK_M) + E tiles), so nothing is read back to the host
 a CUDA graph can capture the whole product in any dtype. Tiles past the real count
 exit at once. The first GEMM of an expert MLP reads its rows through `row_source`
 (the token each sorted row belongs to), which fuses the gather of the inputs.
+
+`fp8_expert_gemm` runs the same tiles on e4m3 codes: rows quantized per token
+(`atom/kernels/fp8_quant.py`) and weights per output channel, each with fp32
+scales. On sm89+ NVIDIA GPUs the dot reads the e4m3 operands as they are; elsewhere
+(older GPUs, ROCm) the kernel decodes the codes to fp16, which holds every e4m3
+value exactly, and multiplies those. The scales apply once, after the K loop.
 """
 
 from __future__ import annotations
@@ -20,11 +26,23 @@ from atom.utils.arithmetic import ceil_div
 
 
 @triton.jit
+def _e4m3_to_fp16(code_bits):
+    """fp16 values of e4m3 bit patterns (uint8): the 7 value bits shifted under
+    fp16's exponent read as the value times 2^-8 (the biases differ by 8), subnormal
+    codes included; times 256 is exact."""
+    bits = code_bits.to(tl.int32)
+    half = ((bits & 0x7F) << 7) | ((bits & 0x80) << 8)
+    return half.to(tl.uint16).to(tl.float16, bitcast=True) * 256.0
+
+
+@triton.jit
 def _expert_gemm_kernel(
     a_ptr,
     row_source_ptr,
     w_ptr,
     out_ptr,
+    a_scale_ptr,
+    w_scale_ptr,
     tile_expert_ptr,
     tile_row_ptr,
     group_end_ptr,
@@ -37,6 +55,8 @@ def _expert_gemm_kernel(
     stride_out,
     GATHER: tl.constexpr,
     IEEE: tl.constexpr,
+    FP8: tl.constexpr,
+    DECODE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -72,10 +92,21 @@ def _expert_gemm_kernel(
             mask=k_ok[:, None] & col_ok[None, :],
             other=0.0,
         )
+        if DECODE:
+            a = _e4m3_to_fp16(a)
+            w = _e4m3_to_fp16(w)
         if IEEE:
             acc = tl.dot(a, w, acc, input_precision="ieee")
+        elif FP8 and not DECODE:
+            # Hopper's fp8 MMA accumulates with reduced precision: fold each
+            # BLOCK_K slice into the fp32 accumulator, as cuBLAS's fp8 GEMM does.
+            acc = tl.dot(a, w, acc, max_num_imprecise_acc=BLOCK_K)
         else:
             acc = tl.dot(a, w, acc)
+    if FP8:
+        a_scale = tl.load(a_scale_ptr + a_rows, mask=row_ok, other=0.0)
+        w_scale = tl.load(w_scale_ptr + expert * N + cols, mask=col_ok, other=0.0)
+        acc = acc * a_scale[:, None] * w_scale[None, :]
     out = out_ptr + rows.to(tl.int64)[:, None] * stride_out + cols[None, :]
     tl.store(
         out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :]
@@ -106,6 +137,58 @@ def expert_tiles(
     return expert.to(torch.int32), first_row.to(torch.int32)
 
 
+def _launch(
+    rows: torch.Tensor,
+    weight: torch.Tensor,
+    group_ends: torch.Tensor,
+    row_source: torch.Tensor | None,
+    out: torch.Tensor,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    decode: bool = False,
+) -> torch.Tensor:
+    """Fill `out` [M, N] with the grouped product; `scales` (row scales [rows, 1],
+    weight scales [E, N, 1]) mark fp8 operands, which `decode` reads as bits."""
+    num_rows = out.shape[0]
+    num_experts, n, k = weight.shape
+    if num_rows == 0:
+        return out
+    block_m = _block_m(num_rows, num_experts)
+    tile_expert, tile_row = expert_tiles(group_ends, num_rows, block_m)
+    block_n = 64
+    block_k = 128 if scales is not None else 32 if rows.dtype == torch.float32 else 64
+    if decode:
+        # Triton has no e4m3 type on these devices: pass the bits.
+        rows, weight = rows.view(torch.uint8), weight.view(torch.uint8)
+    a_scale, w_scale = scales if scales is not None else (out, out)
+    grid = (tile_expert.numel(), triton.cdiv(n, block_n))
+    _expert_gemm_kernel[grid](
+        rows,
+        row_source if row_source is not None else tile_row,
+        weight,
+        out,
+        a_scale,
+        w_scale,
+        tile_expert,
+        tile_row,
+        group_ends.to(torch.int32),
+        num_experts,
+        n,
+        k,
+        rows.stride(0),
+        weight.stride(0),
+        weight.stride(1),
+        out.stride(0),
+        GATHER=row_source is not None,
+        IEEE=rows.dtype == torch.float32,
+        FP8=scales is not None,
+        DECODE=decode,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+    )
+    return out
+
+
 def expert_gemm(
     rows: torch.Tensor,
     weight: torch.Tensor,
@@ -119,36 +202,49 @@ def expert_gemm(
     fp32 operands multiply in full fp32 (no tf32) so fp32 models stay exact.
     """
     num_rows = row_source.shape[0] if row_source is not None else rows.shape[0]
-    num_experts, n, k = weight.shape
-    weight = weight.contiguous()
     rows = rows.contiguous()
-    out = rows.new_empty(num_rows, n)
-    if num_rows == 0:
-        return out
-    block_m = _block_m(num_rows, num_experts)
-    tile_expert, tile_row = expert_tiles(group_ends, num_rows, block_m)
-    block_n = 64
-    block_k = 32 if rows.dtype == torch.float32 else 64
-    grid = (tile_expert.numel(), triton.cdiv(n, block_n))
-    _expert_gemm_kernel[grid](
-        rows,
-        row_source if row_source is not None else tile_row,
-        weight,
+    out = rows.new_empty(num_rows, weight.shape[1])
+    return _launch(rows, weight.contiguous(), group_ends, row_source, out)
+
+
+def fp8_dot_native(device: torch.device) -> bool:
+    """Whether Triton's dot takes e4m3 operands on `device`: NVIDIA sm89+ and the
+    interpreter. ROCm GPUs decode instead: their fp8 formats differ by chip."""
+    if device.type == "cpu":
+        return True
+    if torch.version.hip is not None:
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def fp8_expert_gemm(
+    codes: torch.Tensor,
+    row_scale: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    group_ends: torch.Tensor,
+    row_source: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+    decode: bool | None = None,
+) -> torch.Tensor:
+    """`expert_gemm` of e4m3 operands: out[r] = (codes[src(r)] * row_scale[src(r)])
+    @ (weight[e] * weight_scale[e]).T, in `out_dtype`.
+
+    codes [rows, K] and row_scale [rows, 1] as `quantize_rows` gives them; weight
+    [E, N, K] e4m3 with weight_scale [E, N, 1] fp32. `decode` forces the fp16
+    decoding (True) or the e4m3 dot (False); None picks by device (module docstring).
+    """
+    num_rows = row_source.shape[0] if row_source is not None else codes.shape[0]
+    if decode is None:
+        decode = not fp8_dot_native(codes.device)
+    out = torch.empty(num_rows, weight.shape[1], dtype=out_dtype, device=codes.device)
+    scales = (row_scale.contiguous(), weight_scale.contiguous())
+    return _launch(
+        codes.contiguous(),
+        weight.contiguous(),
+        group_ends,
+        row_source,
         out,
-        tile_expert,
-        tile_row,
-        group_ends.to(torch.int32),
-        num_experts,
-        n,
-        k,
-        rows.stride(0),
-        weight.stride(0),
-        weight.stride(1),
-        out.stride(0),
-        GATHER=row_source is not None,
-        IEEE=rows.dtype == torch.float32,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
+        scales,
+        decode,
     )
-    return out

@@ -10,6 +10,9 @@ multiplies one contiguous group of rows. Three paths compute the same products:
   projection in any dtype, no host sync: every other CUDA case.
 - `loop`: one `F.linear` per group, reading the group sizes on the host once (an
   old torch without `_grouped_mm`, misaligned widths, no Triton). Not capturable.
+
+`routed_mlp` holds the sort and the combine with the two products as arguments, so
+the fp8 experts (`quantization/ptpc_fp8.py`) share them with `grouped_expert_mlp`.
 """
 
 from __future__ import annotations
@@ -112,6 +115,31 @@ def align_to_experts(
     return order, position, counts.cumsum(0, dtype=torch.int32)
 
 
+# One projection of every routed row: (rows, group_ends, row_source) -> the sorted
+# rows' outputs, as `_grouped_linear` defines them.
+GroupedProduct = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor
+]
+
+
+def routed_mlp(
+    x: torch.Tensor,
+    routing_weights: torch.Tensor,
+    expert_ids: torch.Tensor,
+    num_experts: int,
+    up: GroupedProduct,
+    down: GroupedProduct,
+    act: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """sum_k routing_weights[:, k] * down(act(up(x))) for expert ids[:, k], as
+    [N, D] fp32: the sort by expert and the combine around two grouped products
+    (`up` reads x through the sorted rows' tokens), whatever form the weights take."""
+    order, position, group_ends = align_to_experts(expert_ids, num_experts)
+    token_of = order // expert_ids.shape[1]
+    y = down(act(up(x, group_ends, token_of)), group_ends, None)
+    return combine_expert_rows(y, position, routing_weights)
+
+
 def grouped_expert_mlp(
     x: torch.Tensor,
     routing_weights: torch.Tensor,
@@ -130,14 +158,15 @@ def grouped_expert_mlp(
     given, maps the rows each projection reads (fp8 rounds them per token).
     """
     transform = row_transform or (lambda rows: rows)
-    top_k = expert_ids.shape[1]
-    order, position, group_ends = align_to_experts(expert_ids, w13.shape[0])
-    token_of = order // top_k
-    inner = act(
-        _grouped_linear(transform(x), w13, group_ends, path, row_source=token_of)
+
+    def product(weight: torch.Tensor) -> GroupedProduct:
+        return lambda rows, group_ends, row_source: _grouped_linear(
+            transform(rows), weight, group_ends, path, row_source
+        )
+
+    return routed_mlp(
+        x, routing_weights, expert_ids, w13.shape[0], product(w13), product(w2), act
     )
-    y = _grouped_linear(transform(inner), w2, group_ends, path)
-    return combine_expert_rows(y, position, routing_weights)
 
 
 def combine_expert_rows(

@@ -27,7 +27,8 @@ class LinearMethod(Protocol):
 
 
 class ExpertsMethod(Protocol):
-    graph_capturable: bool
+    @property
+    def graph_capturable(self) -> bool: ...
 
     def prepare(self, module: nn.Module) -> None: ...
 

@@ -10,8 +10,15 @@ The forward quantizes each token row of the input with its own scale and multipl
 - elsewhere a reference path: the same per-token quantization, dequantized, and an
   fp32 product, so the CPU's numbers match the GPU's up to accumulation order.
 
-Routed experts quantize their stacked weights per output channel the same way; their
-forward dequantizes the experts a step uses and simulates the activation rounding.
+The per-token quantization of the `_scaled_mm` path is the Triton kernel of
+`atom/kernels/fp8_quant.py` (one launch, the same codes as `quantize_rows`).
+
+Routed experts quantize their stacked weights per output channel the same way. On
+CUDA with Triton their forward quantizes the tokens (that kernel) and runs both
+projections as fp8 grouped GEMMs (`atom/kernels/expert_gemm.py`), with no host sync,
+so CUDA graphs capture them. Elsewhere the reference dequantizes the experts a step
+uses (reading which they are syncs with the host) and simulates the activation
+rounding.
 """
 
 from __future__ import annotations
@@ -20,7 +27,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from atom.model_ops.grouped_experts import expert_path, grouped_expert_mlp
+from atom.kernels import triton_available
+from atom.model_ops.grouped_experts import (
+    GroupedProduct,
+    expert_path,
+    grouped_expert_mlp,
+    routed_mlp,
+)
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
@@ -52,6 +65,15 @@ def round_trip_rows(tensor: torch.Tensor) -> torch.Tensor:
     return dequantize_rows(*quantize_rows(tensor))
 
 
+def quantize_activations(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_rows` of rows [M, K], in one Triton launch where one runs."""
+    if not triton_available(rows.device):
+        return quantize_rows(rows)
+    from atom.kernels.fp8_quant import quantize_rows_triton
+
+    return quantize_rows_triton(rows, MIN_SCALE)
+
+
 def scaled_mm_runs(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `torch._scaled_mm` with row-wise scales takes x [M, K] and the fp8
     weight [N, K] where they sit."""
@@ -79,7 +101,7 @@ def fp8_linear(
     `weight_scale` [N, 1]; x is quantized per token (module docstring)."""
     rows = x.reshape(-1, x.shape[-1])
     if scaled_mm_runs(rows, weight):
-        codes, scale = quantize_rows(rows)
+        codes, scale = quantize_activations(rows)
         y = torch._scaled_mm(
             codes,
             weight.t(),
@@ -129,12 +151,65 @@ class PtpcFp8Linear:
         return fp8_linear(x, module.weight, module.weight_scale, bias)
 
 
+def fp8_expert_mlp(
+    x: torch.Tensor,
+    routing_weights: torch.Tensor,
+    expert_ids: torch.Tensor,
+    module: nn.Module,
+    decode: bool | None = None,
+) -> torch.Tensor:
+    """The routed experts of `module` (e4m3 w13, w2 and their scales) as fp8
+    grouped GEMMs in Triton, [N, D] fp32 like `grouped_expert_mlp`: each projection
+    quantizes its input rows per token and reads them with the weight codes. No
+    host sync. `decode` as `fp8_expert_gemm` takes it."""
+    from atom.kernels.expert_gemm import fp8_expert_gemm
+
+    def product(name: str) -> GroupedProduct:
+        weight, weight_scale = getattr(module, name), getattr(module, f"{name}_scale")
+
+        def gemm(
+            rows: torch.Tensor,
+            group_ends: torch.Tensor,
+            row_source: torch.Tensor | None,
+        ) -> torch.Tensor:
+            codes, scale = quantize_activations(rows)
+            return fp8_expert_gemm(
+                codes,
+                scale,
+                weight,
+                weight_scale,
+                group_ends,
+                row_source,
+                out_dtype=x.dtype,
+                decode=decode,
+            )
+
+        return gemm
+
+    return routed_mlp(
+        x,
+        routing_weights,
+        expert_ids,
+        module.w13.shape[0],
+        product("w13"),
+        product("w2"),
+        module.act,
+    )
+
+
 class PtpcFp8Experts:
     """The ptpc_fp8 method of the routed experts (`FusedExperts.quant_method`):
     w13 and w2 stacks in e4m3 with scales [E, out, 1]."""
 
-    # Reading which experts a step uses syncs with the host.
-    graph_capturable = False
+    def __init__(self) -> None:
+        # Whether the fp8 grouped GEMMs run these experts; decided in `finish`,
+        # once the stacks sit on their device.
+        self.kernels = False
+
+    @property
+    def graph_capturable(self) -> bool:
+        """The kernels sync with nothing; the reference reads the used experts."""
+        return self.kernels
 
     def prepare(self, module: nn.Module) -> None:
         for name in ("w13", "w2"):
@@ -143,6 +218,9 @@ class PtpcFp8Experts:
     def finish(self, module: nn.Module) -> None:
         for name in ("w13", "w2"):
             _quantized_parameter(module, name)
+        # The CPU keeps the reference, even where the interpreter could run them.
+        device = module.w13.device
+        self.kernels = device.type == "cuda" and triton_available(device)
 
     def apply(
         self,
@@ -151,7 +229,18 @@ class PtpcFp8Experts:
         weights: torch.Tensor,
         expert_ids: torch.Tensor,
     ) -> torch.Tensor:
-        """The reference: dequantize only the experts this step routes to."""
+        if self.kernels:
+            return fp8_expert_mlp(x, weights, expert_ids, module)
+        return self.reference(module, x, weights, expert_ids)
+
+    def reference(
+        self,
+        module: nn.Module,
+        x: torch.Tensor,
+        weights: torch.Tensor,
+        expert_ids: torch.Tensor,
+    ) -> torch.Tensor:
+        """Dequantize only the experts this step routes to."""
         used = expert_ids.unique()
         stacks = []
         for name in ("w13", "w2"):
