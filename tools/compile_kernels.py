@@ -1,0 +1,273 @@
+"""Compile atom's Triton kernels for a GPU target on a machine without one.
+
+The kernel tests run on the CPU through Triton's interpreter, which checks what a
+kernel computes but not that the compiler takes it: a construct the interpreter
+runs may still fail to compile for a GPU. Triton's wheel carries the NVIDIA
+assembler, so the kernels listed here (those added since the last GPU run took the
+others) compile down to sm_90 machine code on any machine, with the Triton version
+the GPU machine has installed in a side environment if need be:
+
+    python -m tools.compile_kernels                  # every kernel, sm_90
+    python -m tools.compile_kernels --arch 80 --only gated_act
+
+Each line names a kernel, its compile-time settings and OK or the compiler's error;
+the exit status is 1 if any failed. The argument types below are those the launch
+wrappers in `atom/kernels/` pass for bf16 and fp32 models.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import os
+import sys
+from dataclasses import dataclass
+
+# Compiling needs the real Triton, not the interpreter the tests set (it is read
+# when the kernels are defined, so this runs as its own process).
+os.environ.pop("TRITON_INTERPRET", None)
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """One kernel compiled with given argument types and compile-time values."""
+
+    module: str  # under atom.kernels
+    kernel: str
+    types: dict[str, str]  # runtime argument -> Triton type ("*bf16", "i32", ...)
+    constants: dict[str, object]
+
+    def source(self) -> ASTSource:
+        fn = getattr(
+            importlib.import_module(f"atom.kernels.{self.module}"), self.kernel
+        )
+        names = inspect.signature(fn.fn).parameters
+        signature = {
+            name: "constexpr" if name in self.constants else self.types[name]
+            for name in names
+        }
+        return ASTSource(fn=fn, signature=signature, constexprs=self.constants)
+
+
+def _specs() -> list[KernelSpec]:
+    routing = dict(SOFTMAX=False, HAS_BIAS=True, RENORMALIZE=True, BLOCK_E=512)
+    specs = [
+        KernelSpec(
+            "moe_routing",
+            "_select_experts_kernel",
+            dict(
+                logits_ptr="*fp32",
+                bias_ptr="*fp32",
+                weights_ptr="*fp32",
+                ids_ptr="*i64",
+                num_experts="i32",
+                stride_logits="i32",
+                routed_scaling_factor="fp32",
+            ),
+            {**routing, **grouping},
+        )
+        for grouping in (
+            dict(TOP_K=8, GROUPS=1, PER_GROUP=32, TOPK_GROUP=1, BLOCK_K=8, BLOCK_G=1),
+            dict(TOP_K=6, GROUPS=8, PER_GROUP=48, TOPK_GROUP=4, BLOCK_K=8, BLOCK_G=8),
+        )
+    ]
+    align = dict(
+        ids_ptr="*i64",
+        order_ptr="*i32",
+        position_ptr="*i32",
+        group_ends_ptr="*i32",
+        tile_expert_ptr="*i32",
+        tile_row_ptr="*i32",
+        num_pairs="i32",
+        num_experts="i32",
+        num_tiles="i32",
+    )
+    for tiles in (False, True):
+        specs.append(
+            KernelSpec(
+                "moe_align",
+                "_align_kernel",
+                align,
+                dict(BLOCK_M=16, TILES=tiles, BLOCK_N=32, BLOCK_E=512),
+            )
+        )
+    for dt in ("fp32", "bf16"):
+        specs += _per_dtype_specs(dt)
+    return specs
+
+
+def _per_dtype_specs(dt: str) -> list[KernelSpec]:
+    """The kernels whose operands take the model's dtype."""
+    specs = [
+        KernelSpec(
+            "moe_combine",
+            "_combine_kernel",
+            dict(
+                y_ptr=f"*{dt}",
+                position_ptr="*i32",
+                weights_ptr="*fp32",
+                out_ptr="*fp32",
+                width="i32",
+                stride_y="i32",
+            ),
+            dict(TOP_K=8, BLOCK=1024),
+        ),
+        KernelSpec(
+            "kda_head_norms",
+            "_l2_normalize_qk_kernel",
+            dict(
+                x_ptr=f"*{dt}",
+                q_ptr="*fp32",
+                k_ptr="*fp32",
+                heads="i32",
+                stride_x="i32",
+                eps="fp32",
+            ),
+            dict(DIM=128, BLOCK=128),
+        ),
+        KernelSpec(
+            "kda_head_norms",
+            "_output_norm_gate_kernel",
+            dict(
+                o_ptr="*fp32",
+                w_ptr="*fp32",
+                gate_ptr=f"*{dt}",
+                out_ptr=f"*{dt}",
+                heads="i32",
+                stride_o="i32",
+                stride_gate="i32",
+                eps="fp32",
+            ),
+            dict(DIM=128, BLOCK=128),
+        ),
+        KernelSpec(
+            "fp8_quant",
+            "_quantize_rows_kernel",
+            dict(
+                x_ptr=f"*{dt}",
+                codes_ptr="*u8",
+                scale_ptr="*fp32",
+                K="i32",
+                stride_x="i32",
+                stride_codes="i32",
+                min_scale="fp32",
+            ),
+            dict(FP8_MAX=448.0, BLOCK=1024),
+        ),
+    ]
+    gated = dict(
+        x_ptr=f"*{dt}", out_ptr=f"*{dt}", inner="i32", stride_x="i32", p0="fp32"
+    )
+    for act in range(3):
+        specs.append(
+            KernelSpec(
+                "gated_act",
+                "_gated_act_kernel",
+                {**gated, "p1": "fp32"},
+                dict(ACT=act, HAS_P1=act != 0, BLOCK=1024),
+            )
+        )
+    gates = dict(
+        f_ptr=f"*{dt}",
+        a_log_ptr="*fp32",
+        dt_bias_ptr="*fp32",
+        b_ptr="*fp32",
+        decay_ptr="*fp32",
+        beta_ptr="*fp32",
+        heads="i32",
+        stride_f="i32",
+        stride_b="i32",
+        lower_bound="fp32",
+    )
+    for bounded in (False, True):
+        specs.append(
+            KernelSpec(
+                "kda_gates",
+                "_kda_gates_kernel",
+                gates,
+                dict(BOUNDED=bounded, DIM=128, BLOCK=128),
+            )
+        )
+    # The grouped expert GEMM: plain in the model dtype, and fp8 (native e4m3
+    # operands, or the bits decoded in-kernel).
+    forms = [(f"*{dt}", f"*{dt}", False, False)]
+    if dt == "bf16":
+        forms += [("*fp8e4nv", "*bf16", True, False), ("*u8", "*bf16", True, True)]
+    for operand, out, fp8, decode in forms:
+        for gather in (False, True):
+            specs.append(_expert_gemm_spec(operand, out, fp8, decode, gather, dt))
+    return specs
+
+
+def _expert_gemm_spec(
+    operand: str, out: str, fp8: bool, decode: bool, gather: bool, dt: str
+) -> KernelSpec:
+    ieee = dt == "fp32" and not fp8
+    return KernelSpec(
+        "expert_gemm",
+        "_expert_gemm_kernel",
+        dict(
+            a_ptr=operand,
+            row_source_ptr="*i32",
+            w_ptr=operand,
+            out_ptr=out,
+            a_scale_ptr="*fp32",
+            w_scale_ptr="*fp32",
+            tile_expert_ptr="*i32",
+            tile_row_ptr="*i32",
+            group_end_ptr="*i32",
+            num_experts="i32",
+            N="i32",
+            K="i32",
+            stride_a="i32",
+            stride_we="i32",
+            stride_wn="i32",
+            stride_out="i32",
+        ),
+        dict(
+            GATHER=gather,
+            IEEE=ieee,
+            FP8=fp8,
+            DECODE=decode,
+            BLOCK_M=16,
+            BLOCK_N=64,
+            BLOCK_K=128 if fp8 else 32 if ieee else 64,
+        ),
+    )
+
+
+def compile_spec(spec: KernelSpec, arch: int) -> str | None:
+    """None when `spec` compiles for sm_`arch`, else the compiler's error."""
+    try:
+        triton.compile(spec.source(), target=GPUTarget("cuda", arch, 32))
+    except Exception as error:  # noqa: BLE001 - the report names any failure
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", type=int, default=90, help="sm_ARCH (default 90)")
+    parser.add_argument("--only", help="kernel modules, comma separated")
+    args = parser.parse_args()
+    only = set(args.only.split(",")) if args.only else None
+    failed = 0
+    print(f"triton {triton.__version__}, sm_{args.arch}")
+    for spec in _specs():
+        if only and spec.module not in only:
+            continue
+        error = compile_spec(spec, args.arch)
+        failed += error is not None
+        print(f"{'OK  ' if error is None else 'FAIL'} {spec.kernel} {spec.constants}")
+        if error:
+            print(f"     {error[:2000]}")
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
