@@ -120,7 +120,7 @@ def test_tensor_parallel_shard_shapes():
     with build_parallel_state(tp_rank=1, tp_size=2):
         model = KimiLinearModel(config)
     kda, mla = model.layers[0].self_attn, model.layers[1].self_attn
-    assert tuple(kda.q_proj.weight.shape) == (64, 128)
+    assert tuple(kda.qkv_proj.weight.shape) == (3 * 64, 128)  # q, k, v slices
     assert tuple(kda.q_conv1d.weight.shape) == (64, 1, 4)
     assert tuple(kda.A_log.shape) == (2,) and tuple(kda.b_proj.weight.shape) == (2, 128)
     assert tuple(kda.f_a_proj.weight.shape) == (32, 128)  # replicated

@@ -24,6 +24,7 @@ from atom.model_ops.kda_backend import KDABackend, StateSlots, select_kda_backen
 from atom.model_ops.layernorm import RMSNorm
 from atom.model_ops.linear import (
     ColumnParallelLinear,
+    MergedColumnParallelLinear,
     ReplicatedLinear,
     RowParallelLinear,
     check_shape,
@@ -32,6 +33,10 @@ from atom.model_ops.linear import (
 from atom.models.interfaces import StateTensor
 from atom.models.kimi.config import KimiTextConfig
 from atom.utils.forward_context import require_metadata
+
+# Checkpoint projection -> shard of a KDA layer's merged `qkv_proj`; this rank's
+# [q_r; k_r; v_r] is the conv's channel order.
+KDA_QKV_SHARDS = (("q_proj", 0), ("k_proj", 1), ("v_proj", 2))
 
 
 def fp32_channel_sharded(*shape: int) -> nn.Parameter:
@@ -74,9 +79,8 @@ class KimiDeltaAttention(nn.Module):
         width = config.kda_heads * dim
         self.local_width = width // self.tp_size
 
-        self.q_proj = ColumnParallelLinear(hidden, width)
-        self.k_proj = ColumnParallelLinear(hidden, width)
-        self.v_proj = ColumnParallelLinear(hidden, width)
+        # q_proj, k_proj and v_proj of the checkpoint, one product (KDA_QKV_SHARDS).
+        self.qkv_proj = MergedColumnParallelLinear(hidden, [width] * 3)
         self.q_conv1d = ConvWeight(self.local_width, self.kernel_size)
         self.k_conv1d = ConvWeight(self.local_width, self.kernel_size)
         self.v_conv1d = ConvWeight(self.local_width, self.kernel_size)
@@ -175,7 +179,7 @@ class KimiDeltaAttention(nn.Module):
         if self._backend is None:
             self._backend = select_kda_backend(x.device, self.backend_choice)
         tokens = x.shape[0]
-        mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        mixed = self.qkv_proj(x)
         low_rank = self.f_b_proj(self.f_a_proj(x))
         # The write strength is formed in fp32: bf16 here measurably costs accuracy.
         b_logits = F.linear(x.float(), self._derived_weights()[1])

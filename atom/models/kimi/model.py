@@ -139,7 +139,7 @@ class KimiLinearForCausalLM(PipelineCausalLM):
     model_class = KimiLinearModel
 
     def map_checkpoint_name(self, name: str) -> tuple[str, object] | None:
-        return map_text_checkpoint_name(name, self.model.text_config.num_hidden_layers)
+        return map_text_checkpoint_name(name, self.model.text_config)
 
 
 class KimiK3ForCausalLM(KimiLinearForCausalLM):

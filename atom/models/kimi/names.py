@@ -13,19 +13,23 @@ import torch
 
 from atom.model_ops.gated_mlp import GATE_UP_SHARDS
 from atom.model_ops.routed_experts import expert_checkpoint_target
+from atom.models.kimi.config import KimiTextConfig
 from atom.models.kimi.hf_names import to_checkpoint_names
+from atom.models.kimi.kda import KDA_QKV_SHARDS
 
 _LAYER = re.compile(r"^model\.layers\.(?P<i>\d+)\.")
 
 
-def map_text_checkpoint_name(name: str, num_layers: int) -> tuple[str, object] | None:
+def map_text_checkpoint_name(
+    name: str, config: KimiTextConfig
+) -> tuple[str, object] | None:
     """The parameter a text-stack tensor loads into, or None for tensors atom skips
     (rotary caches, MTP layers `layers.{>=L}`)."""
     if "rotary_emb." in name:
         return None
     name = checkpoint_spelling(name)
     layer = _LAYER.match(name)
-    if layer and int(layer["i"]) >= num_layers:
+    if layer and int(layer["i"]) >= config.num_hidden_layers:
         return None
     expert = expert_checkpoint_target(name)
     if expert is not None:
@@ -33,6 +37,12 @@ def map_text_checkpoint_name(name: str, num_layers: int) -> tuple[str, object] |
     for part, shard in GATE_UP_SHARDS:
         if f".{part}." in name:
             return name.replace(f".{part}.", ".gate_up_proj."), shard
+    # A KDA layer multiplies q, k and v as one merged projection (an MLA layer's
+    # q_proj stays its own).
+    if layer and config.is_kda_layer(int(layer["i"])):
+        for part, shard in KDA_QKV_SHARDS:
+            if f".self_attn.{part}." in name:
+                return name.replace(f".{part}.", ".qkv_proj."), shard
     return name, None
 
 
