@@ -76,26 +76,35 @@ def _specs() -> list[KernelSpec]:
             dict(TOP_K=6, GROUPS=8, PER_GROUP=48, TOPK_GROUP=4, BLOCK_K=8, BLOCK_G=8),
         )
     ]
-    align = dict(
-        ids_ptr="*i64",
-        order_ptr="*i32",
-        position_ptr="*i32",
-        group_ends_ptr="*i32",
-        tile_expert_ptr="*i32",
-        tile_row_ptr="*i32",
-        num_pairs="i32",
-        num_experts="i32",
-        num_tiles="i32",
-    )
-    for tiles in (False, True):
-        specs.append(
-            KernelSpec(
-                "moe_align",
-                "_align_kernel",
-                align,
-                dict(BLOCK_M=16, TILES=tiles, BLOCK_N=32, BLOCK_E=512),
-            )
+    specs.append(
+        KernelSpec(
+            "moe_align",
+            "_align_kernel",
+            dict(
+                ids_ptr="*i64",
+                order_ptr="*i32",
+                position_ptr="*i32",
+                group_ends_ptr="*i32",
+                num_pairs="i32",
+                num_experts="i32",
+            ),
+            dict(BLOCK_N=32, BLOCK_E=512),
         )
+    )
+    specs.append(
+        KernelSpec(
+            "expert_gemm",
+            "_tiles_kernel",
+            dict(
+                group_end_ptr="*i32",
+                tile_expert_ptr="*i32",
+                tile_row_ptr="*i32",
+                num_experts="i32",
+                num_tiles="i32",
+            ),
+            dict(BLOCK_M=16, BLOCK_T=32, BLOCK_E=512),
+        )
+    )
     for dt in ("fp32", "bf16"):
         specs += _per_dtype_specs(dt)
     return specs

@@ -118,11 +118,67 @@ def _block_m(num_rows: int, num_experts: int) -> int:
     return 16 if num_rows <= 4 * num_experts else 64
 
 
+@triton.jit
+def _tiles_kernel(
+    group_end_ptr,
+    tile_expert_ptr,
+    tile_row_ptr,
+    num_experts,
+    num_tiles,
+    BLOCK_M: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
+    experts = tl.arange(0, BLOCK_E)
+    real = experts < num_experts
+    ends = tl.load(group_end_ptr + experts, mask=real, other=0)
+    starts = tl.load(group_end_ptr + experts - 1, mask=real & (experts > 0), other=0)
+    tiles_of = (ends - starts + BLOCK_M - 1) // BLOCK_M
+    # Padding experts end after every tile, so no tile counts them.
+    tile_ends = tl.where(real, tl.cumsum(tiles_of, axis=0), 2147483647)
+    first_tile = tile_ends - tiles_of
+    tiles = tl.arange(0, BLOCK_T)
+    for first in range(0, num_tiles, BLOCK_T):
+        tile = first + tiles
+        # A tile's expert: the number of experts whose tiles end at or before it
+        # (num_experts for the padding tiles past the last real one).
+        expert = tl.sum((tile_ends[None, :] <= tile[:, None]).to(tl.int32), axis=1)
+        mine = experts[None, :] == expert[:, None]
+        row = tl.sum(tl.where(mine, starts - first_tile * BLOCK_M, 0), axis=1)
+        inside = tile < num_tiles
+        tl.store(tile_expert_ptr + tile, expert, mask=inside)
+        tl.store(tile_row_ptr + tile, row + tile * BLOCK_M, mask=inside)
+
+
+def expert_tiles_triton(
+    group_ends: torch.Tensor, num_rows: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`expert_tiles` in one launch; a padding tile's row is unspecified (unread)."""
+    num_experts = group_ends.numel()
+    num_tiles = ceil_div(num_rows, block_m) + num_experts
+    tile_expert = torch.empty(num_tiles, dtype=torch.int32, device=group_ends.device)
+    tile_row = torch.empty_like(tile_expert)
+    block_e = triton.next_power_of_2(num_experts)
+    _tiles_kernel[(1,)](
+        group_ends,
+        tile_expert,
+        tile_row,
+        num_experts,
+        num_tiles,
+        BLOCK_M=block_m,
+        BLOCK_T=max(16, min(128, 16384 // block_e)),
+        BLOCK_E=block_e,
+    )
+    return tile_expert, tile_row
+
+
 def expert_tiles(
     group_ends: torch.Tensor, num_rows: int, block_m: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(expert of each tile, first sorted row of each tile), padded to the fixed
-    bound ceil(num_rows / block_m) + E with expert = E (no work)."""
+    bound ceil(num_rows / block_m) + E with expert = E (no work). The torch
+    reference of `expert_tiles_triton`, which the GEMMs use: one launch instead of
+    about ten."""
     num_experts = group_ends.numel()
     ends = group_ends.long()
     counts = ends.diff(prepend=ends.new_zeros(1))
@@ -153,7 +209,8 @@ def _launch(
     if num_rows == 0:
         return out
     block_m = _block_m(num_rows, num_experts)
-    tile_expert, tile_row = expert_tiles(group_ends, num_rows, block_m)
+    group_ends = group_ends.to(torch.int32)
+    tile_expert, tile_row = expert_tiles_triton(group_ends, num_rows, block_m)
     block_n = 64
     block_k = 128 if scales is not None else 32 if rows.dtype == torch.float32 else 64
     if decode:
@@ -170,7 +227,7 @@ def _launch(
         w_scale,
         tile_expert,
         tile_row,
-        group_ends.to(torch.int32),
+        group_ends,
         num_experts,
         n,
         k,
