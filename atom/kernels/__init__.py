@@ -52,3 +52,10 @@ def require_triton(device: torch.device | str, what: str) -> None:
             f"{what} needs triton and a CUDA device (or TRITON_INTERPRET=1 on CPU), "
             f"got {device}{off}"
         )
+
+
+def rows_per_chunk(block_e: int) -> int:
+    """Rows a one-program kernel takes per chunk of a [rows, experts] comparison
+    (`moe_align.py`, the expert GEMM's tile list): about 16K elements at a time
+    keeps the registers in bounds."""
+    return max(16, min(128, 16384 // block_e))

@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from atom.kernels import rows_per_chunk
 from atom.utils.arithmetic import ceil_div
 
 
@@ -166,7 +167,7 @@ def expert_tiles_triton(
         num_experts,
         num_tiles,
         BLOCK_M=block_m,
-        BLOCK_T=max(16, min(128, 16384 // block_e)),
+        BLOCK_T=rows_per_chunk(block_e),
         BLOCK_E=block_e,
     )
     return tile_expert, tile_row

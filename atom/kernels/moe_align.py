@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from atom.kernels import rows_per_chunk
+
 
 @triton.jit
 def _align_kernel(
@@ -68,8 +70,7 @@ def align_to_experts_triton(
         group_ends,
         num_pairs,
         num_experts,
-        # Chunks of pairs x experts of about 16K elements keep registers in bounds.
-        BLOCK_N=max(16, min(128, 16384 // block_e)),
+        BLOCK_N=rows_per_chunk(block_e),
         BLOCK_E=block_e,
     )
     return order, position, group_ends
