@@ -42,7 +42,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
 from transformers import KimiLinearConfig, PreTrainedTokenizerFast  # noqa: E402
 
 from atom import LLMEngine, SamplingParams  # noqa: E402
-from atom.config import Config  # noqa: E402
+from atom.config import KV_CACHE_DTYPES, Config  # noqa: E402
 
 HBM_BYTES_PER_S = 4.8e12  # H200
 STARTED = time.perf_counter()
@@ -363,6 +363,8 @@ def atom_engine_kwargs(args: argparse.Namespace, max_batch: int) -> dict:
         max_num_seqs=max_batch,
         max_model_len=args.input_len + args.output_len + 16,
         enable_prefix_caching=False,  # repeated prompts must not skip prefill
+        online_quant_config=args.online_quant_config,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     if args.enforce_eager:
         accepted = {field.name for field in dataclasses.fields(Config)}
@@ -465,6 +467,14 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument(
         "--enforce-eager", action="store_true", help="atom: no CUDA graphs"
+    )
+    parser.add_argument(
+        "--online-quant-config",
+        help='atom only, e.g. \'{"global_quant_config": "ptpc_fp8"}\' (the roofline'
+        " line still counts the model dtype's weight bytes)",
+    )
+    parser.add_argument(
+        "--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help="atom only"
     )
     parser.add_argument("--hf-attn", default="sdpa", help="transformers attention")
     parser.add_argument(
