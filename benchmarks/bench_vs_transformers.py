@@ -381,7 +381,8 @@ def run_atom(
     batch_sizes: list[int],
 ) -> dict[int, AtomRun]:
     engine = LLMEngine(str(folder), **atom_engine_kwargs(args, max(batch_sizes)))
-    progress("atom engine started")
+    # The block count shows what an fp8 KV cache buys in capacity.
+    progress(f"atom engine started, {engine.workers.info.num_kv_blocks} KV blocks")
 
     def generate(batch: list[list[int]], new_tokens: int) -> tuple[list, float]:
         params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
