@@ -8,22 +8,18 @@ attention) and walks that sequence's visible rows through its block table: score
 against [c_kv | k_pe], an online softmax, and the probability-weighted sum of c_kv,
 all accumulated in fp32. Only live rows are read, so the cost follows the context,
 not the table width; long contexts are split over `num_splits` programs whose
-partial sums `combine` merges. The value up-projection stays outside (one GEMM).
+partial sums `context_splits.combine` merges. The value up-projection stays outside
+(one GEMM).
 """
 
 from __future__ import annotations
-
-from functools import cache
 
 import torch
 import triton
 import triton.language as tl
 
+from atom.kernels.context_splits import combine, num_splits_for
 from atom.utils.arithmetic import ceil_div
-
-# Keys per split below which a context is not split further.
-_MIN_KEYS_PER_SPLIT = 256
-_SPLIT_CAP = 16
 
 
 @triton.jit
@@ -127,31 +123,6 @@ def _mla_decode_kernel(
     )
     tl.store(stats_ptr + out * 2, m, mask=h_ok)
     tl.store(stats_ptr + out * 2 + 1, total, mask=h_ok)
-
-
-def num_splits_for(programs: int, max_keys: int, device: torch.device) -> int:
-    """Splits of each context so the grid fills the GPU about twice over, never
-    below `_MIN_KEYS_PER_SPLIT` keys a split. Host facts only (graph-stable)."""
-    if device.type != "cuda":
-        return min(2, max_keys)  # the interpreter (tests): exercise the merge
-    units = _multiprocessors(device)
-    wanted = ceil_div(2 * units, max(1, programs))
-    return max(1, min(wanted, ceil_div(max_keys, _MIN_KEYS_PER_SPLIT), _SPLIT_CAP))
-
-
-@cache
-def _multiprocessors(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def combine(acc: torch.Tensor, stats: torch.Tensor) -> torch.Tensor:
-    """Merge split partial sums: acc [N, S, h, C], stats [N, S, h, 2] (running max,
-    sum of exponentials) -> softmax-weighted o_latent [N, h, C] fp32."""
-    m, total = stats.unbind(-1)
-    best = m.amax(dim=1, keepdim=True)
-    weight = torch.where(m == float("-inf"), 0.0, torch.exp(m - best))
-    o = (acc * weight.unsqueeze(-1)).sum(dim=1)
-    return o / (total * weight).sum(dim=1).unsqueeze(-1)
 
 
 def mla_decode(

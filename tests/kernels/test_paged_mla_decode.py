@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from atom.kernels import triton_available
-from atom.kernels.paged_mla_decode import combine
+from atom.kernels.context_splits import combine
 from atom.model_engine.batch import SeqWork
 from atom.model_engine.model_inputs import prepare_inputs
 from atom.model_ops.attention_backend import (
