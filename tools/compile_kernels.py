@@ -210,7 +210,78 @@ def _per_dtype_specs(dt: str) -> list[KernelSpec]:
     for operand, out, fp8, decode in forms:
         for gather in (False, True):
             specs.append(_expert_gemm_spec(operand, out, fp8, decode, gather, dt))
+    # Paged GQA decode and the indexer's block scores (MiniMax-M3's shapes: 16
+    # query heads a KV head, head and index dims of 128), over a cache in the
+    # model dtype or in fp8.
+    for cache in (f"*{dt}", "*fp8e4nv"):
+        for sparse in (False, True):
+            specs.append(_gqa_decode_spec(dt, cache, sparse))
+        specs.append(_index_scores_spec(dt, cache))
     return specs
+
+
+def _gqa_decode_spec(dt: str, cache: str, sparse: bool) -> KernelSpec:
+    ieee = dt == "fp32"
+    ints = (
+        "heads group rows_per_seq table_width block_size sparse_block_size "
+        "min_split_keys k_offset v_offset stride_q_row stride_q_head "
+        "stride_cache_row stride_keep_seq stride_keep_group stride_keep_row"
+    )
+    return KernelSpec(
+        "paged_gqa_decode",
+        "_gqa_decode_kernel",
+        dict(
+            q_ptr=f"*{dt}",
+            cache_ptr=cache,
+            table_ptr="*i64",
+            position_ptr="*i64",
+            key_end_ptr="*i64",
+            keep_ptr="*u8" if sparse else "*fp32",
+            acc_ptr="*fp32",
+            stats_ptr="*fp32",
+            scale="fp32",
+            kv_scale="fp32",
+            **dict.fromkeys(ints.split(), "i32"),
+        ),
+        dict(
+            HEAD_DIM=128,
+            BLOCK_D=128,
+            BLOCK_G=16,
+            BLOCK_N=16 if ieee else 64,
+            IEEE=ieee,
+            FP8_CACHE=cache == "*fp8e4nv",
+            SPARSE=sparse,
+        ),
+    )
+
+
+def _index_scores_spec(dt: str, cache: str) -> KernelSpec:
+    ints = (
+        "groups rows_per_seq table_width block_size sparse_block_size index_offset "
+        "stride_q_row stride_q_head stride_cache_row"
+    )
+    return KernelSpec(
+        "paged_index_scores",
+        "_index_scores_kernel",
+        dict(
+            q_ptr=f"*{dt}",
+            cache_ptr=cache,
+            table_ptr="*i64",
+            position_ptr="*i64",
+            key_end_ptr="*i64",
+            out_ptr="*fp32",
+            kv_scale="fp32",
+            **dict.fromkeys(ints.split(), "i32"),
+        ),
+        dict(
+            DIM=128,
+            BLOCK_D=128,
+            BLOCK_G=16,
+            BLOCK_N=64,
+            IEEE=dt == "fp32",
+            FP8_CACHE=cache == "*fp8e4nv",
+        ),
+    )
 
 
 def _expert_gemm_spec(

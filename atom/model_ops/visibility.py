@@ -4,7 +4,8 @@ A mask is bool, True where the query row sees the key; queries are padded per
 sequence [B, Q] and keys are a sequence's rows in position order [B, S].
 - `causal_visibility`: a query at position p sees key rows 0..p (target MLA);
 - `sequence_visibility`: the same, never past the sequence's last row in this
-  forward (target GQA, whose gathered blocks may hold an earlier owner's rows);
+  forward (target GQA, whose gathered blocks may hold an earlier owner's rows;
+  `sequence_key_ends` gives that bound to the kernels that walk the tables);
 - `block_pass_visibility`: a DSpark block pass, context rows then the whole block.
 Block-sparse selection (`block_sparse.py`) narrows a mask built here.
 """
@@ -29,9 +30,15 @@ def sequence_visibility(metadata: AttentionMetadata, num_keys: int) -> torch.Ten
     a padded query row: a gathered block holds whatever an earlier owner wrote there.
     """
     visible = causal_visibility(metadata.query_positions, num_keys)
-    ends = metadata.context_lens + metadata.query_start_loc.diff()
+    ends = sequence_key_ends(metadata)
     keys = torch.arange(num_keys, device=ends.device)
     return visible & (keys.unsqueeze(0) < ends.unsqueeze(1)).unsqueeze(1)
+
+
+def sequence_key_ends(metadata: AttentionMetadata) -> torch.Tensor:
+    """[B]: the key rows a sequence holds after this forward's writes (its cached
+    rows plus its rows here); keys at or past its end are never visible."""
+    return metadata.context_lens + metadata.query_start_loc.diff()
 
 
 def block_pass_visibility(

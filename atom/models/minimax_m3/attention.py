@@ -6,6 +6,8 @@ and the single index key) for this rank's heads. KV heads, and the index heads t
 go with them (index head g selects for KV group g), are split across TP ranks or,
 when there are fewer of them than ranks, replicated. A cache row is
 [k | v | index key], so the index keys live in the same pages as the KV rows.
+Writing them and attending run in the layer's `GQABackend`
+(`model_ops/attention_backend.py`, chosen by `Config.attention_backend`).
 """
 
 from __future__ import annotations
@@ -13,18 +15,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from atom.model_ops.block_sparse import block_sparse_visibility
+from atom.model_ops.attention_backend import (
+    GQABackend,
+    GQALayer,
+    select_gqa_backend,
+)
 from atom.model_ops.layernorm import GemmaRMSNorm
 from atom.model_ops.linear import HeadParallelLinear, RowParallelLinear
-from atom.model_ops.paged_attention import gqa_attention
-from atom.model_ops.paged_cache import (
-    DEFAULT_KV_SCALE,
-    gather_kv,
-    read_back_kv,
-    write_kv,
-)
+from atom.model_ops.paged_cache import DEFAULT_KV_SCALE
 from atom.model_ops.rotary_embedding import RotaryEmbedding
-from atom.model_ops.visibility import sequence_visibility
 from atom.models.minimax_m3.config import MiniMaxM3TextConfig
 from atom.utils.forward_context import require_metadata
 
@@ -59,7 +58,11 @@ class MiniMaxM3Attention(nn.Module):
     kv_region_kind = "attn"
 
     def __init__(
-        self, config: MiniMaxM3TextConfig, layer_idx: int, prefix: str = ""
+        self,
+        config: MiniMaxM3TextConfig,
+        layer_idx: int,
+        prefix: str = "",
+        backend: str = "auto",
     ) -> None:
         super().__init__()
         self.prefix = prefix
@@ -92,6 +95,9 @@ class MiniMaxM3Attention(nn.Module):
         self.kv_cache_dtype: torch.dtype | None = None
         self.kv_scale = DEFAULT_KV_SCALE
         self.kv_cache: torch.Tensor | None = None
+        # `Config.attention_backend`; resolved on the first forward (its device).
+        self.backend_choice = backend
+        self._backend: GQABackend | None = None
 
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
         self.kv_cache = kv_cache
@@ -119,37 +125,16 @@ class MiniMaxM3Attention(nn.Module):
                 "CacheEngine"
             )
         q, rows, index_q = self._cache_rows(positions, x)
-        write_kv(self.kv_cache, metadata.slot_mapping, rows, self.kv_scale)
-        if metadata.all_fresh:
-            # Nothing cached is older than this forward: attend to its own rows,
-            # rounded through the cache dtype as a read-back would be.
-            keys = read_back_kv(rows, self.kv_cache, self.kv_scale, rows.dtype)
-            keys = metadata.pad(keys)
-        else:
-            keys = gather_kv(
-                self.kv_cache, metadata.block_tables, self.kv_scale, rows.dtype
-            )
-        visible = sequence_visibility(metadata, keys.shape[1])
-        k, v, index_k = keys.split(
-            [self.kv_width, self.kv_width, self.kv_cache_dim - 2 * self.kv_width],
-            dim=-1,
-        )
-        if self.indexer is None:
-            visible = visible.unsqueeze(1)
-        else:
-            visible = block_sparse_visibility(
-                metadata.pad(index_q),
-                index_k,
-                visible,
-                metadata.query_positions,
-                self.indexer,
-            )
-        o = gqa_attention(
-            metadata.pad(q),
-            k.unflatten(-1, (self.num_kv_heads, self.head_dim)),
-            v.unflatten(-1, (self.num_kv_heads, self.head_dim)),
-            visible,
+        if self._backend is None:
+            self._backend = select_gqa_backend(x.device, self.backend_choice)
+        layer = GQALayer(
+            self.kv_cache,
+            self.kv_scale,
+            self.num_kv_heads,
+            self.head_dim,
             self.scale,
+            self.indexer,
         )
-        o = metadata.unpad(o).reshape(x.shape[0], self.num_heads * self.head_dim)
+        o = self._backend.forward(q, rows, index_q, layer, metadata)
+        o = o.reshape(x.shape[0], self.num_heads * self.head_dim)
         return self.o_proj(o.to(x.dtype))

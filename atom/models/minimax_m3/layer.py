@@ -21,13 +21,19 @@ LayerOutput = tuple[torch.Tensor, torch.Tensor]
 
 class MiniMaxM3DecoderLayer(nn.Module):
     def __init__(
-        self, config: MiniMaxM3TextConfig, layer_idx: int, prefix: str = ""
+        self,
+        config: MiniMaxM3TextConfig,
+        layer_idx: int,
+        prefix: str = "",
+        attention_backend: str = "auto",
     ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = GemmaRMSNorm(hidden, eps=eps)
-        self.self_attn = MiniMaxM3Attention(config, layer_idx, f"{prefix}.self_attn")
+        self.self_attn = MiniMaxM3Attention(
+            config, layer_idx, f"{prefix}.self_attn", attention_backend
+        )
         self.post_attention_layernorm = GemmaRMSNorm(hidden, eps=eps)
         if config.layers[layer_idx].moe:
             self.block_sparse_moe = MiniMaxM3MoE(config)

@@ -8,6 +8,8 @@ branches on the stage's position, never on which modules exist.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from atom.config import Config
@@ -32,7 +34,10 @@ class MiniMaxM3Model(PipelineTextStack):
         text = MiniMaxM3TextConfig.from_hf(
             config.hf_config.text, get_tp_group().world_size
         )
-        self.build_stage(config, text, MiniMaxM3DecoderLayer, prefix)
+        layer_class = partial(
+            MiniMaxM3DecoderLayer, attention_backend=config.attention_backend
+        )
+        self.build_stage(config, text, layer_class, prefix)
         if get_pp_group().is_last_rank:
             self.norm = GemmaRMSNorm(text.hidden_size, eps=text.rms_norm_eps)
         else:
