@@ -52,11 +52,13 @@ def test_quantize_rows_kernel_gives_the_reference_codes(device, dtype, width):
     x = (wide[:, :width] * spread).to(dtype)
     x[2] = 0.0  # an all-zero row: scale MIN_SCALE, codes 0
     codes, scale = quantize_rows_triton(x, MIN_SCALE)
-    expected_codes, expected_scale = quantize_rows(x)
+    # The reference runs on the CPU, whose divisions are IEEE ones as the kernel's
+    # are: torch on CUDA divides by a scalar through its reciprocal (1 ulp apart).
+    expected_codes, expected_scale = quantize_rows(x.cpu())
     assert codes.dtype == expected_codes.dtype and scale.shape == (6, 1)
-    torch.testing.assert_close(scale, expected_scale, rtol=0, atol=0)
+    torch.testing.assert_close(scale.cpu(), expected_scale, rtol=0, atol=0)
     # Rounded as torch rounds (nearest, ties to even): the same bits.
-    assert torch.equal(codes.view(torch.uint8), expected_codes.view(torch.uint8))
+    assert torch.equal(codes.cpu().view(torch.uint8), expected_codes.view(torch.uint8))
 
 
 def grouped_reference(codes, row_scale, weight, weight_scale, counts, source):
@@ -99,9 +101,12 @@ def test_fp8_grouped_gemm_is_the_dequantized_product(device, num_rows, gather):
             decode=decode,
         )
         assert out.shape == (num_rows, n) and out.dtype == torch.float32
-        # The products of e4m3 values are exact; only the fp32 sums' order differs.
+        # The products of e4m3 values are exact; only the fp32 sums' order differs,
+        # except in Hopper's fp8 MMA, which adds inside each K slice with fewer
+        # mantissa bits (2e-4 of the largest output measured on an H200).
+        native_mma = device == "cuda" and not decode
         error = (out.cpu() - expected).abs().max() / expected.abs().max()
-        assert error < 1e-5, (decode, error.item())
+        assert error < (1e-3 if native_mma else 1e-5), (decode, error.item())
 
 
 def fp8_experts(device: str, dtype: torch.dtype) -> FusedExperts:

@@ -115,7 +115,8 @@ def test_fla_backend_matches_torch_on_cuda():
     torch.testing.assert_close(final, final_ref, rtol=2e-3, atol=2e-3)
     one = (slice(None), slice(None, 1))
     pools = [state.clone(), state.clone()]
-    slots, fresh = torch.arange(seqs, device="cuda"), torch.zeros(seqs, dtype=bool)
+    slots = torch.arange(seqs, device="cuda")
+    fresh = torch.zeros(seqs, dtype=torch.bool, device="cuda")
     o, o_ref = (
         backend.decode(
             q[one], k[one], v[one], g[one], beta[one], StateSlots(pool, slots, fresh)
