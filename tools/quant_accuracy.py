@@ -13,6 +13,10 @@ are compared with those of every setting before it.
     python -m tools.quant_accuracy --draft-model tiny-kimi-k3-dspark
     python -m tools.quant_accuracy --draft-model tiny-kimi-k3-dspark \
         --settings bf16 "ptpc_fp8, bf16" --kv-cache-dtype auto fp8
+    # the same on a GPU, and again with every kernel on its torch reference:
+    python -m tools.quant_accuracy --device cuda --draft-model tiny-kimi-k3-dspark \
+        --settings bf16 "ptpc_fp8, bf16" --kv-cache-dtype auto fp8
+    ATOM_DISABLE_TRITON=1 python -m tools.quant_accuracy --device cuda ...
 """
 
 from __future__ import annotations
@@ -63,19 +67,19 @@ def measure(
 ) -> dict:
     config = Config(
         model=args.model,
-        device="cpu",
+        device=args.device,
         dtype=dtype,
         online_quant_config=online,
         kv_cache_dtype=kv_dtype,
     )
-    model, _ = load_target(config, "cpu")
+    model, _ = load_target(config, args.device)
     tokenizer = Tokenizer.from_file(str(TOKENIZER_FILE))
     with torch.no_grad():
         ppl = perplexity(
             model,
             held_out_stream(tokenizer),
             args.ppl_seq_len,
-            resolve_kv_cache_dtype(kv_dtype, "cpu"),
+            resolve_kv_cache_dtype(kv_dtype, args.device),
         )
     del model
     prompts = [
@@ -84,7 +88,7 @@ def measure(
     ]
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     engine_kwargs = dict(
-        device="cpu",
+        device=args.device,
         dtype=dtype,
         online_quant_config=online,
         kv_cache_dtype=kv_dtype,
@@ -147,6 +151,12 @@ def main(argv: list[str] | None = None) -> None:
         choices=KV_CACHE_DTYPES,
         default=["auto"],
         help="KV cache dtypes to run every setting at",
+    )
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu or cuda (on CUDA the fp8 GEMMs, Triton kernels and graphs run; "
+        "ATOM_DISABLE_TRITON=1 sends every kernel to its torch reference)",
     )
     parser.add_argument("--threads", type=int, default=0, help="CPU threads (0: keep)")
     args = parser.parse_args(argv)
