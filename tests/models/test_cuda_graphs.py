@@ -7,7 +7,8 @@ snapshots), for batch sizes that need padding, with one row per sequence and wit
 the T + 1 rows of a DSpark verify. End to end, DSpark with captured target and
 block-pass graphs emits exactly the eager target-only greedy tokens; pp2 (two ranks
 sharing the GPU, graphs on both stages, with and without DSpark) and pp2 x tp2 give
-the pp1 ids (fp32).
+the pp1 ids (fp32). The graph == eager check also runs with ptpc_fp8 weights and an
+fp8 KV cache.
 """
 
 import pytest
@@ -24,13 +25,18 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 BLOCK = 16
 NUM_BLOCKS = 64
 BLOCKS_PER_SEQ = 8
-TOLERANCE = {"float32": 1e-4, "bfloat16": 5e-2}
+TOLERANCE = {"float32": 1e-4, "bfloat16": 5e-2, "bfloat16+fp8": 5e-2}
+# "+fp8": ptpc_fp8 weights and an fp8 KV cache, whose kernels the graphs capture too.
+FP8 = dict(
+    online_quant_config={"global_quant_config": "ptpc_fp8"}, kv_cache_dtype="fp8"
+)
 
 
 def build_runner(dtype: str, num_drafts: int) -> ModelRunner:
-    spec = {}
+    dtype, _, quantized = dtype.partition("+")
+    spec = dict(FP8) if quantized else {}
     if num_drafts:
-        spec = dict(
+        spec |= dict(
             method="dspark",
             draft_model="tiny-kimi-k3-dspark",
             num_speculative_tokens=num_drafts,
@@ -106,7 +112,7 @@ def runners():
 
 
 @pytest.mark.parametrize("num_drafts", [0, 3], ids=["1-row", "verify-4-rows"])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "bfloat16+fp8"])
 @pytest.mark.parametrize("num_seqs", [1, 3, 6])
 def test_graph_decode_equals_eager_decode(runners, num_seqs, dtype, num_drafts):
     runner = runners(dtype, num_drafts)
