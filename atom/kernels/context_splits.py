@@ -3,7 +3,8 @@
 The decode kernels (`paged_mla_decode.py`, `paged_gqa_decode.py`) give each query
 row's context to `num_splits` programs when the grid would otherwise leave the GPU
 idle; each program runs an online softmax over its keys and writes its partial sum
-with (running max, sum of exponentials), and `combine` merges them into one softmax.
+with (running max, sum of exponentials) through `store_partials`, and `combine`
+merges them into one softmax.
 The split count is a host fact (graph-stable): it depends on shapes only.
 """
 
@@ -12,6 +13,8 @@ from __future__ import annotations
 from functools import cache
 
 import torch
+import triton
+import triton.language as tl
 
 from atom.utils.arithmetic import ceil_div
 
@@ -52,3 +55,20 @@ def combine(acc: torch.Tensor, stats: torch.Tensor) -> torch.Tensor:
     o = (acc * weight.unsqueeze(-1)).sum(dim=1)
     denominator = (total * weight).sum(dim=1)
     return o / torch.where(denominator > 0, denominator, 1.0).unsqueeze(-1)
+
+
+@triton.jit
+def store_partials(
+    acc_ptr, stats_ptr, row, split, heads, h, h_ok, cols, cols_ok, acc, m, total, WIDTH
+):
+    """Write one split's partial sums acc [H, C] of query row `row`'s heads h, and
+    their (running max, sum of exponentials), where `combine` reads them: acc
+    [rows, splits, heads, WIDTH], stats [rows, splits, heads, 2]."""
+    out = (row * tl.num_programs(2) + split) * heads + h
+    tl.store(
+        acc_ptr + out[:, None] * WIDTH + cols[None, :],
+        acc,
+        mask=h_ok[:, None] & cols_ok[None, :],
+    )
+    tl.store(stats_ptr + out * 2, m, mask=h_ok)
+    tl.store(stats_ptr + out * 2 + 1, total, mask=h_ok)

@@ -24,7 +24,13 @@ import torch
 import triton
 import triton.language as tl
 
-from atom.kernels.context_splits import combine, min_keys_per_split, num_splits_for
+from atom.kernels.context_splits import (
+    combine,
+    min_keys_per_split,
+    num_splits_for,
+    store_partials,
+)
+from atom.kernels.paged_walk import key_slots, online_softmax_step
 
 
 @triton.jit
@@ -104,12 +110,7 @@ def _gqa_decode_kernel(
             # Skip a chunk whose sparse blocks are all dropped: no load, no dot.
             take = tl.max(n_ok.to(tl.int32), axis=0) > 0
         if take:
-            block = tl.load(
-                table_ptr + seq.to(tl.int64) * table_width + n // block_size,
-                mask=n_ok,
-                other=0,
-            )
-            slot = block.to(tl.int64) * block_size + n % block_size
+            slot = key_slots(table_ptr, seq, table_width, n, n_ok, block_size)
             base = cache_ptr + slot[:, None] * stride_cache_row + kv_head * HEAD_DIM
             kv_mask = n_ok[:, None] & d_ok[None, :]
             k = tl.load(base + k_offset + d[None, :], mask=kv_mask, other=0.0)
@@ -125,26 +126,10 @@ def _gqa_decode_kernel(
             else:
                 scores = tl.dot(q, tl.trans(k))
             scores = tl.where(n_ok[None, :], scores * scale, float("-inf"))
-            m_new = tl.maximum(m, tl.max(scores, axis=1))
-            # A row with nothing seen yet keeps m = -inf: exp(-inf - -inf) would be
-            # nan, so such rows rescale by 1 and take p = 0 (their sums stay zero).
-            rescale = tl.where(m_new == float("-inf"), 1.0, tl.exp(m - m_new))
-            p = tl.where(n_ok[None, :], tl.exp(scores - m_new[:, None]), 0.0)
-            total = total * rescale + tl.sum(p, axis=1)
-            if IEEE:
-                update = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-            else:
-                update = tl.dot(p.to(v.dtype), v)
-            acc = acc * rescale[:, None] + update
-            m = m_new
-    out = (row * num_splits + split) * heads + h  # [rows, splits, heads] order
-    tl.store(
-        acc_ptr + out[:, None] * HEAD_DIM + d[None, :],
-        acc,
-        mask=h_ok[:, None] & d_ok[None, :],
+            m, total, acc = online_softmax_step(m, total, acc, scores, v, IEEE)
+    store_partials(
+        acc_ptr, stats_ptr, row, split, heads, h, h_ok, d, d_ok, acc, m, total, HEAD_DIM
     )
-    tl.store(stats_ptr + out * 2, m, mask=h_ok)
-    tl.store(stats_ptr + out * 2 + 1, total, mask=h_ok)
 
 
 def gqa_decode(

@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from atom.kernels.paged_walk import key_slots
 from atom.utils.arithmetic import ceil_div
 
 
@@ -70,12 +71,7 @@ def _index_scores_kernel(
         for start in range(first, last, BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)
             n_ok = n < last
-            block = tl.load(
-                table_ptr + seq.to(tl.int64) * table_width + n // block_size,
-                mask=n_ok,
-                other=0,
-            )
-            slot = block.to(tl.int64) * block_size + n % block_size
+            slot = key_slots(table_ptr, seq, table_width, n, n_ok, block_size)
             k = tl.load(
                 cache_ptr
                 + slot[:, None] * stride_cache_row

@@ -18,7 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from atom.kernels.context_splits import combine, num_splits_for
+from atom.kernels.context_splits import combine, num_splits_for, store_partials
+from atom.kernels.paged_walk import key_slots, online_softmax_step
 from atom.utils.arithmetic import ceil_div
 
 
@@ -55,7 +56,6 @@ def _mla_decode_kernel(
     row = tl.program_id(0)  # sequence * rows_per_seq + query row
     head_block = tl.program_id(1)
     split = tl.program_id(2)
-    num_splits = tl.num_programs(2)
     seq = row // rows_per_seq
     h = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = h < heads
@@ -82,12 +82,7 @@ def _mla_decode_kernel(
     for start in range(first, last, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         n_ok = n < last
-        block = tl.load(
-            table_ptr + seq.to(tl.int64) * table_width + n // block_size,
-            mask=n_ok,
-            other=0,
-        )
-        slot = block.to(tl.int64) * block_size + n % block_size
+        slot = key_slots(table_ptr, seq, table_width, n, n_ok, block_size)
         base = cache_ptr + slot[:, None] * stride_cache_row
         c_kv = tl.load(base + c[None, :], mask=n_ok[:, None] & c_ok[None, :], other=0.0)
         k_pe = tl.load(
@@ -103,26 +98,10 @@ def _mla_decode_kernel(
         else:
             scores = tl.dot(q, tl.trans(c_kv)) + tl.dot(q_pe, tl.trans(k_pe))
         scores = tl.where(n_ok[None, :], scores * scale, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=1))
-        # Rows of a split with nothing visible yet keep m = -inf: exp(-inf - -inf)
-        # would be nan, so such rows rescale by 1 (their sums are still zero).
-        rescale = tl.where(m_new == float("-inf"), 1.0, tl.exp(m - m_new))
-        p = tl.exp(scores - m_new[:, None])
-        total = total * rescale + tl.sum(p, axis=1)
-        if IEEE:
-            update = tl.dot(p, c_kv.to(tl.float32), input_precision="ieee")
-        else:
-            update = tl.dot(p.to(c_kv.dtype), c_kv)
-        acc = acc * rescale[:, None] + update
-        m = m_new
-    out = (row * num_splits + split) * heads + h  # [rows, splits, heads] order
-    tl.store(
-        acc_ptr + out[:, None] * RANK + c[None, :],
-        acc,
-        mask=h_ok[:, None] & c_ok[None, :],
+        m, total, acc = online_softmax_step(m, total, acc, scores, c_kv, IEEE)
+    store_partials(
+        acc_ptr, stats_ptr, row, split, heads, h, h_ok, c, c_ok, acc, m, total, RANK
     )
-    tl.store(stats_ptr + out * 2, m, mask=h_ok)
-    tl.store(stats_ptr + out * 2 + 1, total, mask=h_ok)
 
 
 def mla_decode(
