@@ -66,6 +66,22 @@ class MLABackend(Protocol):
     ) -> torch.Tensor: ...
 
 
+def write_and_gather(
+    rows: torch.Tensor,
+    kv_cache: torch.Tensor,
+    kv_scale: float,
+    metadata: AttentionMetadata,
+) -> torch.Tensor:
+    """Write this forward's cache rows [N, W] to their slots, then return every
+    sequence's rows [B, S, W] in rows' dtype, as the torch backends attend to them:
+    the gathered block tables or, when no sequence has cached rows, this forward's
+    own rows rounded through the cache dtype as a read-back would be."""
+    write_kv(kv_cache, metadata.slot_mapping, rows, kv_scale)
+    if metadata.all_fresh:
+        return metadata.pad(read_back_kv(rows, kv_cache, kv_scale, rows.dtype))
+    return gather_kv(kv_cache, metadata.block_tables, kv_scale, rows.dtype)
+
+
 class TorchMLABackend:
     """`paged_mla.latent_attention` over the gathered block tables (or, when no
     sequence has cached rows, over this forward's own rows)."""
@@ -73,14 +89,7 @@ class TorchMLABackend:
     name = "torch"
 
     def forward(self, q_nope, q_pe, latent, layer, metadata):
-        kv_cache, kv_scale = layer.kv_cache, layer.kv_scale
-        write_kv(kv_cache, metadata.slot_mapping, latent, kv_scale)
-        if metadata.all_fresh:
-            # Nothing cached is older than this forward: attend to its own rows,
-            # rounded through the cache dtype as a read-back would be.
-            keys = metadata.pad(read_back_kv(latent, kv_cache, kv_scale, latent.dtype))
-        else:
-            keys = gather_kv(kv_cache, metadata.block_tables, kv_scale, latent.dtype)
+        keys = write_and_gather(latent, layer.kv_cache, layer.kv_scale, metadata)
         o = latent_attention(
             metadata.pad(q_nope),
             metadata.pad(q_pe),
@@ -197,14 +206,7 @@ class TorchGQABackend:
     name = "torch"
 
     def forward(self, q, rows, index_q, layer, metadata):
-        kv_cache, kv_scale = layer.kv_cache, layer.kv_scale
-        write_kv(kv_cache, metadata.slot_mapping, rows, kv_scale)
-        if metadata.all_fresh:
-            # Nothing cached is older than this forward: attend to its own rows,
-            # rounded through the cache dtype as a read-back would be.
-            keys = metadata.pad(read_back_kv(rows, kv_cache, kv_scale, rows.dtype))
-        else:
-            keys = gather_kv(kv_cache, metadata.block_tables, kv_scale, rows.dtype)
+        keys = write_and_gather(rows, layer.kv_cache, layer.kv_scale, metadata)
         visible = sequence_visibility(metadata, keys.shape[1])
         width = layer.kv_width
         k, v, index_k = keys.split([width, width, layer.index_width], dim=-1)
