@@ -2,9 +2,11 @@
 
 Shapes are those of `bench_vs_transformers.py`'s issue10 preset (2.6 B Kimi Linear,
 bf16): KDA 16 heads of 128, conv width 4, MLA 16 heads over a 512 + 64 latent row
-at 320 tokens of context in a 400-token table, RMSNorm over 2304; ptpc_fp8's linear
-at 4096 x 7168 and its routed experts (64 of width 2304 and 768 inner, top 8)
-against the same products in bf16. Per kernel and
+at 320 tokens of context in a 400-token table, RMSNorm over 2304; MiniMax-M3's GQA
+(64 query heads over 4 KV heads of 128, dense and with the lightning indexer) over
+the same table; the bf16 routed experts (64 of width 2304 and 768 inner, top 8)
+through atom's Triton grouped GEMM against `torch._grouped_mm`; ptpc_fp8's linear
+at 4096 x 7168 and those experts against the same products in bf16. Per kernel and
 batch it prints microseconds per call (CUDA events, mean of `--iters` replays
 after a warm-up), the bytes the call must move at least, the bandwidth that gives as a
 fraction of the H200's 4.8 TB/s, and the speed-up over the torch reference. Each
@@ -26,11 +28,19 @@ from atom.model_engine.batch import SeqWork
 from atom.model_engine.model_inputs import prepare_inputs
 from atom.model_ops.activation import get_act_and_mul
 from atom.model_ops.attention_backend import (
+    GQALayer,
     LatentLayer,
+    TorchGQABackend,
     TorchMLABackend,
+    select_gqa_backend,
     select_mla_backend,
 )
-from atom.model_ops.grouped_experts import expert_path, grouped_expert_mlp
+from atom.model_ops.block_sparse import IndexerConfig
+from atom.model_ops.grouped_experts import (
+    expert_path,
+    grouped_expert_mlp,
+    grouped_mm_supported,
+)
 from atom.model_ops.kda import l2_normalize
 from atom.model_ops.kda_backend import (
     StateSlots,
@@ -51,6 +61,15 @@ MLA_HEADS, NOPE, ROPE, RANK, V_DIM = 16, 128, 64, 512, 128
 HIDDEN, CONTEXT, TABLE_TOKENS, BLOCK_SIZE = 2304, 320, 400, 16
 LINEAR_OUT, LINEAR_IN = 4096, 7168
 EXPERTS, TOP_K, EXPERT_INNER = 64, 8, 768
+GQA_HEADS, GQA_KV_HEADS, GQA_DIM = 64, 4, 128
+INDEXER = IndexerConfig(
+    num_heads=GQA_KV_HEADS,
+    head_dim=128,
+    block_size=128,
+    topk_blocks=16,
+    local_blocks=1,
+    init_blocks=0,
+)
 
 
 def time_us(fn: Callable[[], object], iters: int) -> float:
@@ -141,6 +160,56 @@ def bench_mla(batch: int, iters: int) -> None:
     report("mla decode", batch, ours, reference, moved)
 
 
+def bench_gqa(batch: int, iters: int) -> None:
+    for indexer in (None, INDEXER):
+        bench_gqa_layer(batch, iters, indexer)
+
+
+def bench_gqa_layer(batch: int, iters: int, indexer: IndexerConfig | None) -> None:
+    dev, bf16 = "cuda", torch.bfloat16
+    metadata = decode_metadata(batch, CONTEXT)
+    blocks = batch * TABLE_TOKENS // BLOCK_SIZE
+    index_dim = indexer.head_dim if indexer is not None else 0
+    row = 2 * GQA_KV_HEADS * GQA_DIM + index_dim
+    cache = torch.randn(blocks, BLOCK_SIZE, row, device=dev, dtype=bf16)
+    q = torch.randn(batch, GQA_HEADS, GQA_DIM, device=dev, dtype=bf16)
+    rows = torch.randn(batch, row, device=dev, dtype=bf16)
+    index_q = None
+    if indexer is not None:
+        index_q = torch.randn(batch, GQA_KV_HEADS, index_dim, device=dev, dtype=bf16)
+    layer = GQALayer(cache, 1.0, GQA_KV_HEADS, GQA_DIM, GQA_DIM**-0.5, indexer)
+    args = (q, rows, index_q, layer, metadata)
+    triton = select_gqa_backend(dev, "triton")
+    ours = time_us(lambda: triton.forward(*args), iters)
+    reference = time_us(lambda: TorchGQABackend().forward(*args), iters)
+    moved = batch * (CONTEXT + 1) * row * 2
+    report("gqa sparse" if indexer else "gqa decode", batch, ours, reference, moved)
+
+
+def bench_experts(batch: int, iters: int) -> None:
+    """The bf16 routed experts: atom's Triton grouped GEMM ("triton" path) against
+    `torch._grouped_mm` (the path bf16 takes on sm90), both graph-captured."""
+    dev, bf16 = "cuda", torch.bfloat16
+    x = torch.randn(batch, HIDDEN, device=dev, dtype=bf16)
+    ids = torch.stack([torch.randperm(EXPERTS, device=dev)[:TOP_K] for _ in x])
+    routing = torch.rand(batch, TOP_K, device=dev)
+    w13 = torch.randn(EXPERTS, 2 * EXPERT_INNER, HIDDEN, device=dev, dtype=bf16) / 50
+    w2 = torch.randn(EXPERTS, HIDDEN, EXPERT_INNER, device=dev, dtype=bf16) / 30
+    act = get_act_and_mul("silu")
+    dims = (*w13.shape[1:], *w2.shape[1:])
+    if not grouped_mm_supported(w13.device, bf16, *dims):
+        return
+
+    def run(path: str) -> float:
+        return time_us(
+            lambda: grouped_expert_mlp(x, routing, ids, w13, w2, act, path), iters
+        )
+
+    used = min(EXPERTS, batch * TOP_K)
+    moved = used * 3 * w2[0].numel() * 2
+    report("bf16 experts", batch, run("triton"), run("grouped_mm"), moved)
+
+
 def bench_norm(batch: int, iters: int) -> None:
     dev, bf16 = "cuda", torch.bfloat16
     x = torch.randn(batch, HIDDEN, device=dev, dtype=bf16)
@@ -201,7 +270,9 @@ def main() -> None:
         with torch.inference_mode():
             bench_kda(batch, args.iters)
             bench_mla(batch, args.iters)
+            bench_gqa(batch, args.iters)
             bench_norm(batch, args.iters)
+            bench_experts(batch, args.iters)
             bench_fp8(batch, args.iters)
 
 
