@@ -186,9 +186,9 @@ def bench_gqa_layer(batch: int, iters: int, indexer: IndexerConfig | None) -> No
     report("gqa sparse" if indexer else "gqa decode", batch, ours, reference, moved)
 
 
-def bench_experts(batch: int, iters: int) -> None:
-    """The bf16 routed experts: atom's Triton grouped GEMM ("triton" path) against
-    `torch._grouped_mm` (the path bf16 takes on sm90), both graph-captured."""
+def expert_operands(batch: int) -> tuple:
+    """(x, routing weights, expert ids, w13, w2, act) of the benchmark's routed
+    experts in bf16: each token picks TOP_K distinct experts at random."""
     dev, bf16 = "cuda", torch.bfloat16
     x = torch.randn(batch, HIDDEN, device=dev, dtype=bf16)
     ids = torch.stack([torch.randperm(EXPERTS, device=dev)[:TOP_K] for _ in x])
@@ -196,8 +196,15 @@ def bench_experts(batch: int, iters: int) -> None:
     w13 = torch.randn(EXPERTS, 2 * EXPERT_INNER, HIDDEN, device=dev, dtype=bf16) / 50
     w2 = torch.randn(EXPERTS, HIDDEN, EXPERT_INNER, device=dev, dtype=bf16) / 30
     act = get_act_and_mul("silu")
+    return x, routing, ids, w13, w2, act
+
+
+def bench_experts(batch: int, iters: int) -> None:
+    """The bf16 routed experts: atom's Triton grouped GEMM ("triton" path) against
+    `torch._grouped_mm` (the path bf16 takes on sm90), both graph-captured."""
+    x, routing, ids, w13, w2, act = expert_operands(batch)
     dims = (*w13.shape[1:], *w2.shape[1:])
-    if not grouped_mm_supported(w13.device, bf16, *dims):
+    if not grouped_mm_supported(w13.device, w13.dtype, *dims):
         return
 
     def run(path: str) -> float:
@@ -236,12 +243,7 @@ def bench_fp8(batch: int, iters: int) -> None:
     report(
         "fp8 linear", batch, ours, time_us(lambda: F.linear(x, weight), iters), moved
     )
-    x = torch.randn(batch, HIDDEN, device=dev, dtype=bf16)
-    ids = torch.stack([torch.randperm(EXPERTS, device=dev)[:TOP_K] for _ in x])
-    routing = torch.rand(batch, TOP_K, device=dev)
-    w13 = torch.randn(EXPERTS, 2 * EXPERT_INNER, HIDDEN, device=dev, dtype=bf16) / 50
-    w2 = torch.randn(EXPERTS, HIDDEN, EXPERT_INNER, device=dev, dtype=bf16) / 30
-    act = get_act_and_mul("silu")
+    x, routing, ids, w13, w2, act = expert_operands(batch)
     path = expert_path(w13, w2)
 
     def reference():
