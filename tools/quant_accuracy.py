@@ -32,7 +32,7 @@ from atom.config import KV_CACHE_DTYPES, Config
 from atom.model_loader.build import load_target
 from atom.model_ops.paged_cache import resolve_kv_cache_dtype
 from atom.models.tiny.configs import TOKEN_IDS
-from atom.models.tiny.excerpt import HELD_OUT_FILE, held_out_prompts
+from atom.models.tiny.excerpt import HELD_OUT_FILE, held_out_prompt_ids
 from atom.models.tiny.tokenizer import TOKENIZER_FILE
 from tools.train_target import perplexity, token_stream
 
@@ -82,10 +82,7 @@ def measure(
             resolve_kv_cache_dtype(kv_dtype, args.device),
         )
     del model
-    prompts = [
-        tokenizer.encode(text, add_special_tokens=False).ids[: args.input_len]
-        for text in held_out_prompts(args.num_prompts, words=args.input_len)
-    ]
+    prompts = held_out_prompt_ids(args.num_prompts, args.input_len)
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     engine_kwargs = dict(
         device=args.device,

@@ -38,6 +38,14 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+def useful_drafts(work: SeqWork, seq: Sequence) -> int:
+    """The drafts of a verify that can still become output: a verify emits the
+    accepted drafts and one more token, so with r tokens left under max_tokens
+    (before the step's tokens are appended) at most r - 1 drafts count."""
+    remaining = seq.sampling_params.max_tokens - seq.num_output_tokens
+    return max(0, min(work.num_drafts, remaining - 1))
+
+
 class Scheduler:
     def __init__(
         self,
@@ -383,13 +391,19 @@ class Scheduler:
         return works
 
     def _num_drafts_to_verify(self, seq: Sequence) -> int:
-        """The drafts to verify (at most T), within max_tokens and max_model_len."""
+        """The drafts to verify: all the drafter proposed (at most T), within
+        max_model_len (rows past it have no cache slot).
+
+        Drafts past max_tokens are verified too: a sequence near its end then keeps
+        the batch's uniform T + 1 rows, so the step still replays a CUDA graph
+        instead of running eagerly (one such sequence would take the whole batch
+        off its graph). The tokens they yield are cut by `append_tokens` and not
+        counted (`useful_drafts`)."""
         if not self.limits.num_speculative_tokens:
             return 0
-        remaining = seq.sampling_params.max_tokens - seq.num_output_tokens
         room = self.limits.max_model_len - seq.num_tokens
         limit = min(self.limits.num_speculative_tokens, len(seq.spec_token_ids))
-        return max(0, min(limit, remaining - 1, room - 1))
+        return max(0, min(limit, room - 1))
 
     def _make_room(self, seq: Sequence, num_drafts: int, taken: set[int]) -> bool:
         """Blocks for the verify rows and the drafter's block rows, preempting the
@@ -498,9 +512,10 @@ class Scheduler:
             if seq is None or seq.in_flight_batch_id != batch.batch_id:
                 continue  # aborted or preempted while the batch ran
             seq.in_flight_batch_id = None
-            if work.num_drafts:
+            useful = useful_drafts(work, seq)
+            if useful:
                 # Counted before stop truncation: it measures the drafter.
-                self.spec_stats.record(work.num_drafts, accepted)
+                self.spec_stats.record(useful, min(accepted, useful))
             seq.num_computed_tokens += accepted
             num_before = seq.num_tokens
             reason = seq.append_tokens(

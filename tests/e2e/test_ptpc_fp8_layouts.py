@@ -58,8 +58,11 @@ def test_minimax_and_its_qwen3_draft_run_under_ptpc_fp8():
 
 
 @pytest.mark.slow
-def test_pp2_tp2_dspark_under_ptpc_fp8_matches_pp1_tp2_target_only():
-    reference, _ = fp8_ids(tensor_parallel_size=2)
+def test_pp2_tp2_dspark_under_ptpc_fp8_matches_pp1_tp2_dspark():
+    """The same method on both sides: a verify's rows and a one-row decode may
+    round an fp8 activation apart, so DSpark == target-only holds only where no
+    such flip happens (above, at pp1); the split itself must change nothing."""
+    reference, reference_accepted = fp8_ids(DRAFT, tensor_parallel_size=2)
     split, accepted = fp8_ids(DRAFT, pipeline_parallel_size=2, tensor_parallel_size=2)
     assert split == reference
-    assert accepted >= MIN_ACCEPTANCE
+    assert accepted == reference_accepted >= MIN_ACCEPTANCE

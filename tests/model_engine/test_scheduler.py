@@ -250,15 +250,39 @@ def test_stop_inside_the_accepted_block_discards_later_tokens():
     assert nxt.finished_seq_ids == [seq.seq_id] and nxt.spec_commits == []
 
 
-def test_fewer_drafts_are_verified_near_max_tokens_and_max_model_len():
+def test_near_max_tokens_every_draft_is_verified_and_only_useful_ones_count():
     sched = spec_scheduler()
     seq = seq_of(range(10, 16), max_tokens=3)
     sched.add(seq)
     run_until_sampled(sched, drafts=[[71, 72, 73]])
-    (work,) = sched.schedule().work
-    # 2 tokens may still be emitted: verify 1 draft (+1 bonus).
-    assert (work.token_ids, work.num_drafts) == ([50, 71], 1)
+    verify = sched.schedule()
+    (work,) = verify.work
+    # Only 2 more tokens may be emitted, yet all 3 drafts are verified: the batch
+    # keeps T + 1 rows per sequence (the shape its CUDA graph was captured for).
+    assert (work.token_ids, work.num_drafts) == ([50, 71, 72, 73], 3)
+    finished = sched.postprocess(
+        verify, answer(verify, [[71, 72, 73, 74]], [3], [[1, 1, 1]])
+    )
+    assert finished == [seq] and seq.finish_reason == "length"
+    assert seq.output_token_ids == [50, 71, 72]
+    # 1 draft could become output, and it was accepted: the other 2 are not counted.
+    assert sched.spec_stats.total_draft_tokens == 1
+    assert sched.spec_stats.total_accepted_tokens == 1
 
+
+def test_with_one_token_left_the_verify_counts_no_draft():
+    sched = spec_scheduler()
+    seq = seq_of(range(10, 16), max_tokens=2)
+    sched.add(seq)
+    run_until_sampled(sched, drafts=[[71, 72, 73]])
+    verify = sched.schedule()
+    assert verify.work[0].num_drafts == 3
+    finished = sched.postprocess(verify, answer(verify, [[71, 8]], [1], [[1, 1, 1]]))
+    assert finished == [seq] and seq.output_token_ids == [50, 71]
+    assert sched.spec_stats.num_steps == 0
+
+
+def test_fewer_drafts_are_verified_near_max_model_len():
     sched = spec_scheduler(max_model_len=10)
     seq = seq_of(range(10, 17), max_tokens=20)
     sched.add(seq)

@@ -2,23 +2,27 @@
 
 The trained tiny K3 with DSpark (k = 7), bf16, CUDA graphs on (the default): with
 ptpc_fp8 weights and an fp8 KV cache the engine captures its graphs, verifies
-drafts, accepts about as many as in bf16, and its KV blocks take fewer bytes. The
-figures are printed (run with -s) for docs/accuracy.md.
+drafts, accepts within 2 points of bf16, and its KV blocks take fewer bytes. The
+prompts and lengths are those of `tools/quant_accuracy.py` (16 held-out verse
+openings of 32 tokens, 128 new tokens each), whose GPU figures docs/accuracy.md
+lists; the figures are printed (run with -s).
 """
 
 import pytest
 import torch
 
 from atom import LLMEngine, SamplingParams
+from atom.models.tiny.excerpt import held_out_prompt_ids
 from tests.spec_decode.spec_helpers import runner_of
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
-GREEDY = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+NUM_PROMPTS = 16
+GREEDY = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
 SETTINGS = dict(
     device="cuda",
     dtype="bfloat16",
-    max_num_seqs=8,
+    max_num_seqs=NUM_PROMPTS,
     max_model_len=256,
     method="dspark",
     draft_model="tiny-kimi-k3-dspark",
@@ -27,16 +31,14 @@ SETTINGS = dict(
 FP8 = dict(
     online_quant_config={"global_quant_config": "ptpc_fp8"}, kv_cache_dtype="fp8"
 )
-# Acceptance is counted over 8 prompts x 64 tokens; fp8 rounding moves it a little
-# (on CPU the fp8 run stays within 2 points of bf16 over the accuracy job's 288).
-ACCEPTANCE_SLACK = 0.08
+# Issue 22's bound. Held-out text, not random ids: on random-id prompts the tiny
+# model's continuations degenerate, and acceptance over 8 of them swung by 12
+# points with the trajectory a rounding flip chose (H100, 2026-12-06).
+ACCEPTANCE_SLACK = 0.02
 
 
 def prompts() -> list[list[int]]:
-    gen = torch.Generator().manual_seed(1)
-    return [
-        torch.randint(0, 1000, (16 + 3 * i,), generator=gen).tolist() for i in range(8)
-    ]
+    return held_out_prompt_ids(NUM_PROMPTS, 32)
 
 
 def run(**settings) -> tuple[list[list[int]], float, int]:

@@ -158,7 +158,11 @@ def force_drafts(
         rows = zip(anchor_ids, anchor_positions, block_tables)
         for row, (anchor, position, table) in enumerate(rows):
             sequence = reference_of(int(anchor), int(position), int(table[0]))
-            for k in range(forced.shape[1]):
+            # Drafts past the reference's end stay the drafter's own: they follow
+            # a request's last verify (which verifies past max_tokens) and are
+            # never emitted.
+            width = min(forced.shape[1], len(sequence) - int(position) - 1)
+            for k in range(width):
                 right = sequence[int(position) + 1 + k]
                 forced[row, k] = right if k < num_right else (right + 1) % vocab
             proposed.append(forced[row].tolist())

@@ -8,6 +8,10 @@ rather than what they memorised.
 
 from pathlib import Path
 
+from tokenizers import Tokenizer
+
+from atom.models.tiny.tokenizer import TOKENIZER_FILE
+
 HELD_OUT_FILE = Path(__file__).parent / "assets" / "kjv_heldout.txt"
 
 
@@ -27,3 +31,14 @@ def held_out_prompts(count: int, words: int = 12) -> list[str]:
         )
     stride = len(verses) // count
     return [" ".join(verses[i * stride].split()[:words]) for i in range(count)]
+
+
+def held_out_prompt_ids(count: int, length: int) -> list[list[int]]:
+    """`held_out_prompts(count, words=length)` in the tiny tokenizer's ids, cut to
+    `length` tokens each, without special tokens: the prompts the accuracy tools and
+    the fp8 acceptance test give the trained tiny models."""
+    tokenizer = Tokenizer.from_file(str(TOKENIZER_FILE))
+    return [
+        tokenizer.encode(text, add_special_tokens=False).ids[:length]
+        for text in held_out_prompts(count, words=length)
+    ]
