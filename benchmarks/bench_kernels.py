@@ -9,7 +9,7 @@ through atom's Triton grouped GEMM against `torch._grouped_mm`; ptpc_fp8's linea
 at 4096 x 7168 and those experts against the same products in bf16. Per kernel and
 batch it prints microseconds per call (CUDA events, mean of `--iters` replays
 after a warm-up), the bytes the call must move at least, the bandwidth that gives as a
-fraction of the H200's 4.8 TB/s, and the speed-up over the torch reference. Each
+fraction of the GPU's datasheet HBM bandwidth (`hbm_peak.py`), and the speed-up over the torch reference. Each
 call is timed as a CUDA graph replay, as the engine runs decode.
 
     python benchmarks/bench_kernels.py --batch-sizes 1,32,128
@@ -18,10 +18,12 @@ call is timed as a CUDA graph replay, as the engine runs decode.
 from __future__ import annotations
 
 import argparse
+import functools
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from hbm_peak import resolve_hbm_bytes_per_s
 
 from atom.kernels.rms_norm import rms_norm_triton
 from atom.model_engine.batch import SeqWork
@@ -55,7 +57,6 @@ from atom.model_ops.quantization.ptpc_fp8 import (
     quantize_rows,
 )
 
-HBM_BYTES_PER_S = 4.8e12
 KDA_HEADS, KDA_DIM, CONV_WIDTH = 16, 128, 4
 MLA_HEADS, NOPE, ROPE, RANK, V_DIM = 16, 128, 64, 512, 128
 HIDDEN, CONTEXT, TABLE_TOKENS, BLOCK_SIZE = 2304, 320, 400, 16
@@ -93,12 +94,17 @@ def time_us(fn: Callable[[], object], iters: int) -> float:
     return start.elapsed_time(end) * 1e3 / iters
 
 
+@functools.cache
+def peak_rate() -> float:
+    return resolve_hbm_bytes_per_s(None)
+
+
 def report(name: str, batch: int, ours: float, reference: float, nbytes: float):
     rate = nbytes / (ours * 1e-6)
     print(
         f"{name:12s} batch {batch:4d}: triton {ours:8.1f} us, torch {reference:8.1f} "
         f"us ({reference / ours:5.2f}x); {nbytes / 1e6:7.2f} MB -> "
-        f"{rate / 1e9:6.0f} GB/s = {100 * rate / HBM_BYTES_PER_S:5.1f} % of HBM"
+        f"{rate / 1e9:6.0f} GB/s = {100 * rate / peak_rate():5.1f} % of HBM"
     )
 
 

@@ -37,14 +37,15 @@ os.environ.setdefault("USE_HUB_KERNELS", "0")
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
+from hbm_peak import resolve_hbm_bytes_per_s  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
 from transformers import KimiLinearConfig, PreTrainedTokenizerFast  # noqa: E402
 
 from atom import LLMEngine, SamplingParams  # noqa: E402
 from atom.config import KV_CACHE_DTYPES, Config  # noqa: E402
+from atom.utils.log_format import configure_logging  # noqa: E402
 
-HBM_BYTES_PER_S = 4.8e12  # H200
 STARTED = time.perf_counter()
 
 
@@ -442,12 +443,16 @@ def report(
         step = run.decode_step_seconds(args.output_len)
         moved = geometry.bytes_per_step(batch, context)
         print(line)
+        roofline = ""
+        if args.hbm_bytes_per_s:
+            roofline = (
+                f" = {100 * moved / step / args.hbm_bytes_per_s:.2f}% of"
+                f" {args.hbm_bytes_per_s / 1e12:.2f} TB/s"
+            )
         print(
             f"            atom prefill+1st token {run.prefill_seconds:.3f} s,"
             f" decode step {1e3 * step:.2f} ms ({args.output_len - 1} steps),"
-            f" {moved / 1e9:.3f} GB/step -> {moved / step / 1e9:.1f} GB/s"
-            f" = {100 * moved / step / args.hbm_bytes_per_s:.2f}% of"
-            f" {args.hbm_bytes_per_s / 1e12:.1f} TB/s",
+            f" {moved / 1e9:.3f} GB/step -> {moved / step / 1e9:.1f} GB/s{roofline}",
             flush=True,
         )
     return all_agree
@@ -489,7 +494,11 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--hbm-tb-per-s", type=float, default=HBM_BYTES_PER_S / 1e12, dest="hbm"
+        "--hbm-tb-per-s",
+        type=float,
+        dest="hbm",
+        help="the roofline's HBM bandwidth (default on CUDA: the GPU's datasheet "
+        "figure, benchmarks/hbm_peak.py; on CPU no roofline is printed)",
     )
     args = parser.parse_args()
     preset = PRESETS[args.preset]
@@ -504,7 +513,9 @@ def parse_args() -> argparse.Namespace:
     args.dtype = args.dtype or preset.dtype
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    args.hbm_bytes_per_s = args.hbm * 1e12
+    args.hbm_bytes_per_s = (
+        resolve_hbm_bytes_per_s(args.hbm) if args.device == "cuda" or args.hbm else None
+    )
     if args.output_len < 2:
         parser.error("--output-len must be >= 2 to separate prefill from decode")
     return args
@@ -512,6 +523,9 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    # atom's start-up lines (load, memory profile, graph capture, each timed) show
+    # where the engine's start goes.
+    configure_logging()
     preset = dataclasses.replace(PRESETS[args.preset], dtype=args.dtype)
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
     print(

@@ -16,6 +16,7 @@ a tight `--max-model-len` makes decode cheaper.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -85,6 +86,7 @@ class DecodeGraphs:
                 max_rows, dtype, device
             )
         self.captures: dict[tuple[int, int], _Capture] = {}
+        start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
         for query_len in reversed(self.query_lens):
             for size in reversed(self.sizes):
@@ -92,9 +94,11 @@ class DecodeGraphs:
                 if capture is not None:
                     self.captures[(size, query_len)] = capture
         logger.info(
-            "captured %d of %d decode graphs: batch sizes %s x rows per sequence %s",
+            "captured %d of %d decode graphs in %.1f s (first runs of a shape "
+            "compile its kernels): batch sizes %s x rows per sequence %s",
             len(self.captures),
             len(self.sizes) * len(self.query_lens),
+            time.perf_counter() - start,
             self.sizes,
             self.query_lens,
         )

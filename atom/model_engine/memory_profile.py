@@ -16,6 +16,7 @@ graphs the decode and block-pass peaks are counted on top of the prefill's.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -147,6 +148,7 @@ def kv_budget_bytes(
     slots and its part of the memory torch does not own (CUDA context, libraries,
     other processes)."""
     device = runner.device
+    start = time.perf_counter()
     peaks = measure_activation_peaks(runner)
     free, total = torch.cuda.mem_get_info(device)
     weights = torch.cuda.memory_allocated(device)
@@ -157,10 +159,11 @@ def kv_budget_bytes(
         share - weights - activations - state_bytes - foreign / ranks_on_device
     )
     logger.info(
-        "memory profile %s: share %.2f GiB = weights %.2f + activations %.2f "
-        "(prefill %.2f, decode %.2f, block pass %.2f%s) + state %.2f + other "
+        "memory profile %s (%.1f s): share %.2f GiB = weights %.2f + activations "
+        "%.2f (prefill %.2f, decode %.2f, block pass %.2f%s) + state %.2f + other "
         "%.2f + KV %.2f",
         runner.rank_label(),
+        time.perf_counter() - start,
         share / GiB,
         weights / GiB,
         activations / GiB,

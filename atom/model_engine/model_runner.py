@@ -10,6 +10,7 @@ this batch.
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 import torch.distributed as dist
@@ -66,8 +67,15 @@ class ModelRunner:
         self.pp = get_pp_group()
         self.is_last_stage = self.pp.is_last_rank
         self.is_first_stage = self.pp.is_first_rank
+        start = time.perf_counter()
         self.model, self.load_report = load_target(config, device)
         self.drafter = self._build_drafter()
+        logger.info(
+            "%s: built and loaded the model%s in %.1f s",
+            self.rank_label(),
+            " and its draft" if self.drafter else "",
+            time.perf_counter() - start,
+        )
         self.relay = self._build_relay()
         # No proposer without speculation or on a context-only producer.
         self.proposer = (

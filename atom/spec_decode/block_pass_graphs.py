@@ -9,6 +9,7 @@ capture itself goes through `atom/utils/graph_capture.py`, like the target's.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +40,7 @@ class BlockPassGraphs:
     ) -> None:
         self.table_width = table_width
         self.captures: dict[int, _BlockCapture] = {}
+        start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
         for size in sorted(sizes, reverse=True):
             packed = torch.zeros(
@@ -54,9 +56,10 @@ class BlockPassGraphs:
             if captured is not None:
                 self.captures[size] = _BlockCapture(captured[0], packed, captured[1])
         logger.info(
-            "captured %d of %d DSpark block-pass graphs: %s",
+            "captured %d of %d DSpark block-pass graphs in %.1f s: %s",
             len(self.captures),
             len(sizes),
+            time.perf_counter() - start,
             sorted(self.captures),
         )
 
