@@ -11,12 +11,18 @@ ids, positions, the attention metadata tensors and, on a non-first stage, the
 previous stage's payload. Block tables have a fixed width, enough for a sequence of
 `max_model_len` tokens plus the drafter's rows; attention reads that whole width, so
 a tight `--max-model-len` makes decode cheaper.
+
+`after_forward`, when given, is captured with the forward and runs on its positions
+and slot mapping: the DSpark drafter writes its context rows from the taps there
+(padding rows land in the scratch slot), so a verify step's draft-side writes are
+part of the same replay.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -71,8 +77,10 @@ class DecodeGraphs:
         is_first_stage: bool,
         device: torch.device,
         dtype: torch.dtype,
+        after_forward: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
     ) -> None:
         self.model = model
+        self.after_forward = after_forward
         self.sizes = sorted(sizes)
         self.query_lens = sorted(set(query_lens))
         self.block_size = block_size
@@ -132,9 +140,16 @@ class DecodeGraphs:
         ids, positions, metadata = view_step(packed, layout)
         metadata.slot_mapping.fill_(self.kv_slot)
         payload = self._payload(size * query_len)
+
+        def forward() -> torch.Tensor | IntermediateTensors:
+            output = self.model(ids, positions, payload)
+            if self.after_forward is not None:
+                self.after_forward(positions, metadata.slot_mapping)
+            return output
+
         with set_forward_context(ForwardContext(metadata)):
             captured = capture_graph(
-                lambda: self.model(ids, positions, payload),
+                forward,
                 pool,
                 self.device,
                 f"the decode forward at batch size {size} x {query_len} rows",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -222,7 +223,23 @@ class ModelRunner:
             self.is_first_stage,
             self.device,
             self.dtype,
+            self._draft_context_writer(),
         )
+
+    def _draft_context_writer(
+        self,
+    ) -> Callable[[torch.Tensor, torch.Tensor], None] | None:
+        """The drafter's context write, to be captured with the decode graphs, or
+        None to keep it eager: without a drafter, and where taps arrive from earlier
+        stages (the relay hands them over outside the graph)."""
+        if self.drafter is None or (self.relay is not None and self.relay.incoming):
+            return None
+        drafter = self.drafter
+
+        def write(positions: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+            drafter.precompute_context_kv(positions, slot_mapping, positions.numel())
+
+        return write
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> BatchOutput | None:
@@ -258,7 +275,13 @@ class ModelRunner:
                     payload[AUX_KEY] = packed
             send_tensor_dict(payload)
             return None
-        return self._sample_and_draft(batch, out, positions, slot_mapping, taps_in)
+        # A replayed graph wrote the draft's context rows already (_capture_graphs).
+        context_written = (
+            graph_key is not None and self.graphs.after_forward is not None
+        )
+        return self._sample_and_draft(
+            batch, out, positions, slot_mapping, taps_in, context_written
+        )
 
     def _forward(
         self,
@@ -292,11 +315,13 @@ class ModelRunner:
         positions: torch.Tensor,
         slot_mapping: torch.Tensor,
         taps_in: torch.Tensor | None,
+        context_written: bool,
     ) -> BatchOutput | None:
-        """Last stage: write the draft's context for this forward's rows; when the
-        batch samples, choose each sampled sequence's tokens and next drafts."""
+        """Last stage: write the draft's context for this forward's rows (unless
+        the replayed graph did); when the batch samples, choose each sampled
+        sequence's tokens and next drafts."""
         num_tokens = positions.numel()
-        if self.drafter is not None:
+        if self.drafter is not None and not context_written:
             relayed = None
             if self.relay is not None:
                 relayed = self.relay.unpack(taps_in, num_tokens)

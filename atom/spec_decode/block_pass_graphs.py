@@ -1,5 +1,9 @@
 """CUDA graphs of DSpark's block pass (backbone to base logits), per batch size.
 
+Each graph also runs the Markov head's greedy decode of those logits, so an
+all-greedy batch takes its drafts from the replay without further launches; a
+batch with sampled requests decodes the replayed logits eagerly.
+
 The pass writes no cache, so padding is free: dummy sequences sit at position 0
 with no visible context rows. Each size's inputs live in one static int64 buffer
 that replay refills: anchors [B], anchor positions [B], block tables [B, W]. The
@@ -15,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from atom.spec_decode.markov_head import greedy_drafts
 from atom.utils.graph_capture import capture_graph
 
 logger = logging.getLogger(__name__)
@@ -25,6 +30,28 @@ class _BlockCapture:
     graph: torch.cuda.CUDAGraph
     packed: torch.Tensor
     logits: torch.Tensor
+    greedy: torch.Tensor
+
+
+@dataclass
+class BlockPassReplay:
+    """One replay's static outputs, for the real sequences; valid until the next
+    replay."""
+
+    logits: torch.Tensor  # [B, T, V] base logits
+    greedy: torch.Tensor  # [B, T] the Markov head's greedy drafts
+
+
+def block_pass_and_greedy_drafts(
+    draft: nn.Module,
+    anchors: torch.Tensor,
+    positions: torch.Tensor,
+    tables: torch.Tensor,
+    num_rows: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a block-pass graph captures: base logits and their greedy drafts."""
+    logits = draft.block_forward(anchors, positions, tables, num_rows)
+    return logits, greedy_drafts(logits, anchors, draft.markov_bias)
 
 
 class BlockPassGraphs:
@@ -48,13 +75,14 @@ class BlockPassGraphs:
             )
             args = self._views(packed, size)
             captured = capture_graph(
-                lambda args=args: draft.block_forward(*args, num_rows),
+                lambda args=args: block_pass_and_greedy_drafts(draft, *args, num_rows),
                 pool,
                 device,
                 f"the DSpark block pass at batch size {size}",
             )
             if captured is not None:
-                self.captures[size] = _BlockCapture(captured[0], packed, captured[1])
+                graph, (logits, greedy) = captured
+                self.captures[size] = _BlockCapture(graph, packed, logits, greedy)
         logger.info(
             "captured %d of %d DSpark block-pass graphs in %.1f s: %s",
             len(self.captures),
@@ -71,9 +99,9 @@ class BlockPassGraphs:
 
     def run(
         self, anchors: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor
-    ) -> torch.Tensor | None:
-        """Base logits [B, T, V] of the real sequences, or None when no capture
-        covers the batch (run it eagerly). Inputs are device tensors."""
+    ) -> BlockPassReplay | None:
+        """The real sequences' outputs, or None when no capture covers the batch
+        (run it eagerly). Inputs are device tensors."""
         count, width = tables.shape
         if width > self.table_width:
             return None
@@ -90,4 +118,4 @@ class BlockPassGraphs:
         static_tables.zero_()
         static_tables[:count, :width].copy_(tables)
         capture.graph.replay()
-        return capture.logits[:count]
+        return BlockPassReplay(capture.logits[:count], capture.greedy[:count])

@@ -207,18 +207,6 @@ class DSparkDrafter(Drafter):
             next(self.model.parameters()).device,
         )
 
-    def _block_logits(
-        self, anchors: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor
-    ) -> torch.Tensor:
-        """Base logits [B, T, V] of the block pass: replayed when captured."""
-        if self.block_graphs is not None:
-            logits = self.block_graphs.run(anchors, positions, tables)
-            if logits is not None:
-                return logits
-        return self.model.block_forward(
-            anchors, positions, tables, self.num_speculative_tokens
-        )
-
     @torch.inference_mode()
     def propose(
         self,
@@ -248,7 +236,17 @@ class DSparkDrafter(Drafter):
         if num_seqs == 0:
             empty = torch.empty(0, width, dtype=torch.long, device=anchor_ids.device)
             return DraftOutput(empty, None)
-        base_logits = self._block_logits(anchor_ids, anchor_positions, block_tables)
+        replay = None
+        if self.block_graphs is not None:
+            replay = self.block_graphs.run(anchor_ids, anchor_positions, block_tables)
+        if replay is not None and sampling.all_greedy:
+            return DraftOutput(replay.greedy, None)
+        if replay is not None:
+            base_logits = replay.logits
+        else:
+            base_logits = self.model.block_forward(
+                anchor_ids, anchor_positions, block_tables, self.num_speculative_tokens
+            )
         return markov_decode(
             base_logits,
             anchor_ids,

@@ -22,6 +22,22 @@ from atom.model_ops.sampling_metadata import SamplingMetadata
 from atom.spec_decode.draft_output import DraftOutput
 
 
+def greedy_drafts(
+    base_logits: torch.Tensor,
+    anchor_ids: torch.Tensor,
+    markov_bias: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """[S, T] argmax drafts of an all-greedy batch: device work only, so the block
+    pass's CUDA graph captures it too (`block_pass_graphs.py`)."""
+    num_seqs, width, _ = base_logits.shape
+    drafts = torch.empty(num_seqs, width, dtype=torch.long, device=base_logits.device)
+    prev = anchor_ids
+    for k in range(width):
+        prev = (base_logits[:, k].float() + markov_bias(prev)).argmax(dim=-1)
+        drafts[:, k] = prev
+    return drafts
+
+
 def markov_decode(
     base_logits: torch.Tensor,
     anchor_ids: torch.Tensor,
@@ -46,30 +62,26 @@ def markov_decode(
         raise ValueError(
             f"sampling metadata has {sampling.num_seqs} rows for {num_seqs} sequences"
         )
+    if sampling.all_greedy:
+        return DraftOutput(greedy_drafts(base_logits, anchor_ids, markov_bias), None)
     drafts = torch.empty(num_seqs, width, dtype=torch.long, device=base_logits.device)
-    probs = None
-    if not sampling.all_greedy:
-        probs = torch.empty_like(base_logits, dtype=torch.float32)
+    probs = torch.empty_like(base_logits, dtype=torch.float32)
     greedy = sampling.greedy.unsqueeze(1)
     prev = anchor_ids
     for k in range(width):
         z = base_logits[:, k].float() + markov_bias(prev)
-        token = z.argmax(dim=-1)
-        if probs is not None:
-            q = filtered_probs(
-                z,
-                sampling.temperatures,
-                sampling.top_ks,
-                sampling.top_ps,
-                sampling.uses_top_k,
-                sampling.uses_top_p,
-            )
-            drawn = draw_tokens(
-                q, sampling.seeds, anchor_positions + k + 1, Stream.DRAFT
-            )
-            token = torch.where(sampling.greedy, token, drawn)
-            one_hot = torch.zeros_like(q).scatter_(1, token.unsqueeze(1), 1.0)
-            probs[:, k] = torch.where(greedy, one_hot, q)
+        q = filtered_probs(
+            z,
+            sampling.temperatures,
+            sampling.top_ks,
+            sampling.top_ps,
+            sampling.uses_top_k,
+            sampling.uses_top_p,
+        )
+        drawn = draw_tokens(q, sampling.seeds, anchor_positions + k + 1, Stream.DRAFT)
+        token = torch.where(sampling.greedy, z.argmax(dim=-1), drawn)
+        one_hot = torch.zeros_like(q).scatter_(1, token.unsqueeze(1), 1.0)
+        probs[:, k] = torch.where(greedy, one_hot, q)
         drafts[:, k] = token
         prev = token
     return DraftOutput(drafts, probs)

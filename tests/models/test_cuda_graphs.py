@@ -194,17 +194,34 @@ def captured_graphs(runner: ModelRunner) -> int:
     return len(runner.graphs.captures) if runner.graphs is not None else 0
 
 
-def test_dspark_with_graphs_emits_the_eager_target_only_tokens():
-    eager = generate_ids("float32", enforce_eager=True)
-    llm = LLMEngine("tiny-kimi-k3", dtype="float32", **COMMON, **DSPARK)
+def dspark_ids_and_acceptance(**settings) -> tuple[list[list[int]], float]:
+    llm = LLMEngine("tiny-kimi-k3", dtype="float32", **COMMON, **DSPARK, **settings)
     try:
         ids = [o["token_ids"] for o in llm.generate(prompts_for_layouts(), GREEDY)]
-        assert runner_of(llm).graphs is not None
-        assert runner_of(llm).drafter.block_graphs.captures
-        assert llm.get_spec_decode_stats()["num_verify_steps"] > 0
+        runner = runner_of(llm)
+        if not settings.get("enforce_eager"):
+            assert runner.graphs is not None
+            # The draft's context rows are written inside the decode graphs, and
+            # the greedy drafts come out of the block-pass graphs.
+            assert runner.graphs.after_forward is not None
+            assert runner.drafter.block_graphs.captures
+        stats = llm.get_spec_decode_stats()
+        assert stats["num_verify_steps"] > 0
+        return ids, stats["acceptance_rate"]
     finally:
         llm.close()
+
+
+def test_dspark_with_graphs_emits_the_eager_target_only_tokens():
+    eager = generate_ids("float32", enforce_eager=True)
+    ids, rate = dspark_ids_and_acceptance()
     assert ids == eager
+    # Graphs change where the draft's context is written and how the greedy drafts
+    # are decoded, not what: the eager DSpark run accepts as often (fp32, so only a
+    # near-tie may round apart).
+    eager_ids, eager_rate = dspark_ids_and_acceptance(enforce_eager=True)
+    assert eager_ids == eager
+    assert rate == pytest.approx(eager_rate, abs=0.02)
 
 
 @pytest.fixture(scope="module")

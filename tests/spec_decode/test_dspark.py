@@ -24,6 +24,7 @@ from atom.models.kimi.dspark import KimiK3DSpark
 from atom.models.qwen3_dspark.model import Qwen3DSpark
 from atom.models.tiny import resolve_model_path
 from atom.models.utils import PPMissingLayer, language_model_of
+from atom.spec_decode.block_pass_graphs import block_pass_and_greedy_drafts
 from atom.spec_decode.dspark_drafter import DSparkDrafter, check_shared_embedding
 from atom.spec_decode.factory import DRAFTERS, build_drafter
 from atom.utils.forward_context import ForwardContext, set_forward_context
@@ -290,6 +291,18 @@ def test_prefill_then_propose_end_to_end(pp1):
     torch.testing.assert_close(probs.sum(-1), torch.ones(2, T))
     assert bool((probs[0].gather(1, ids[0, :, None]) > 0).all())
     assert torch.equal(probs[1], nn.functional.one_hot(ids[1], 4096).float())
+    # The greedy row of a mixed batch decodes as an all-greedy batch does, and so
+    # does what a block-pass CUDA graph captures (run eagerly here).
+    assert torch.equal(ids[1], greedy.ids[1])
+    with torch.inference_mode():
+        _, captured = block_pass_and_greedy_drafts(
+            drafter.model,
+            torch.tensor(anchors),
+            torch.tensor(positions),
+            torch.tensor(tables),
+            T,
+        )
+    assert torch.equal(captured, greedy.ids)
     again = propose_on_host(drafter, anchors, positions, tables, *mixed)
     assert torch.equal(again.ids, ids) and torch.equal(again.probs, probs)
     with pytest.raises(ValueError, match="must agree"):
