@@ -357,11 +357,15 @@ class AtomRun:
         return (self.seconds - self.prefill_seconds) / max(1, output_len - 1)
 
 
-def atom_engine_kwargs(args: argparse.Namespace, max_batch: int) -> dict:
+def atom_engine_kwargs(args: argparse.Namespace, batch_sizes: list[int]) -> dict:
     kwargs = dict(
         device=args.device,
         dtype=args.dtype,
-        max_num_seqs=max_batch,
+        max_num_seqs=max(batch_sizes),
+        # Graphs for the measured batch sizes only: each decode step replays the
+        # graph of its exact size either way, and the start-up skips the ladder's
+        # other sizes (and the kernel variants they would compile).
+        cudagraph_capture_sizes=sorted(set(batch_sizes)),
         max_model_len=args.input_len + args.output_len + 16,
         enable_prefix_caching=False,  # repeated prompts must not skip prefill
         online_quant_config=args.online_quant_config,
@@ -381,7 +385,7 @@ def run_atom(
     prompts: list[list[int]],
     batch_sizes: list[int],
 ) -> dict[int, AtomRun]:
-    engine = LLMEngine(str(folder), **atom_engine_kwargs(args, max(batch_sizes)))
+    engine = LLMEngine(str(folder), **atom_engine_kwargs(args, batch_sizes))
     # The block count shows what an fp8 KV cache buys in capacity.
     progress(f"atom engine started, {engine.workers.info.num_kv_blocks} KV blocks")
 

@@ -14,9 +14,15 @@ exit at once. The first GEMM of an expert MLP reads its rows through `row_source
 scales. On sm89+ NVIDIA GPUs the dot reads the e4m3 operands as they are; elsewhere
 (older GPUs, ROCm) the kernel decodes the codes to fp16, which holds every e4m3
 value exactly, and multiplies those. The scales apply once, after the K loop.
+
+`GemmTiles` is a launch's tile shape and pipelining. `default_tiles` chooses it
+from the rows per expert and the operand type; `benchmarks/tune_expert_gemm.py`
+times other choices at a model's shapes on a GPU.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -114,9 +120,25 @@ def _expert_gemm_kernel(
     )
 
 
-def _block_m(num_rows: int, num_experts: int) -> int:
+@dataclass(frozen=True)
+class GemmTiles:
+    """BLOCK_M x BLOCK_N output tiles over BLOCK_K slices, with Triton's num_warps
+    and num_stages (software-pipelined loads) for the launch."""
+
+    block_m: int
+    block_n: int = 64
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def default_tiles(
+    num_rows: int, num_experts: int, dtype: torch.dtype, fp8: bool
+) -> GemmTiles:
     # Few rows per expert (decode) waste less of a small tile.
-    return 16 if num_rows <= 4 * num_experts else 64
+    block_m = 16 if num_rows <= 4 * num_experts else 64
+    block_k = 128 if fp8 else 32 if dtype == torch.float32 else 64
+    return GemmTiles(block_m, 64, block_k)
 
 
 @triton.jit
@@ -202,23 +224,24 @@ def _launch(
     out: torch.Tensor,
     scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     decode: bool = False,
+    tiles: GemmTiles | None = None,
 ) -> torch.Tensor:
     """Fill `out` [M, N] with the grouped product; `scales` (row scales [rows, 1],
-    weight scales [E, N, 1]) mark fp8 operands, which `decode` reads as bits."""
+    weight scales [E, N, 1]) mark fp8 operands, which `decode` reads as bits;
+    `tiles` None takes `default_tiles`."""
     num_rows = out.shape[0]
     num_experts, n, k = weight.shape
     if num_rows == 0:
         return out
-    block_m = _block_m(num_rows, num_experts)
+    if tiles is None:
+        tiles = default_tiles(num_rows, num_experts, rows.dtype, scales is not None)
     group_ends = group_ends.to(torch.int32)
-    tile_expert, tile_row = expert_tiles_triton(group_ends, num_rows, block_m)
-    block_n = 64
-    block_k = 128 if scales is not None else 32 if rows.dtype == torch.float32 else 64
+    tile_expert, tile_row = expert_tiles_triton(group_ends, num_rows, tiles.block_m)
     if decode:
         # Triton has no e4m3 type on these devices: pass the bits.
         rows, weight = rows.view(torch.uint8), weight.view(torch.uint8)
     a_scale, w_scale = scales if scales is not None else (out, out)
-    grid = (tile_expert.numel(), triton.cdiv(n, block_n))
+    grid = (tile_expert.numel(), triton.cdiv(n, tiles.block_n))
     _expert_gemm_kernel[grid](
         rows,
         row_source if row_source is not None else tile_row,
@@ -240,9 +263,11 @@ def _launch(
         IEEE=rows.dtype == torch.float32,
         FP8=scales is not None,
         DECODE=decode,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
+        BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n,
+        BLOCK_K=tiles.block_k,
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
     )
     return out
 
@@ -252,6 +277,7 @@ def expert_gemm(
     weight: torch.Tensor,
     group_ends: torch.Tensor,
     row_source: torch.Tensor | None = None,
+    tiles: GemmTiles | None = None,
 ) -> torch.Tensor:
     """out [M, N] with out[r] = rows[src(r)] @ weight[e(r)].T, in rows' dtype.
 
@@ -262,7 +288,7 @@ def expert_gemm(
     num_rows = row_source.shape[0] if row_source is not None else rows.shape[0]
     rows = rows.contiguous()
     out = rows.new_empty(num_rows, weight.shape[1])
-    return _launch(rows, weight.contiguous(), group_ends, row_source, out)
+    return _launch(rows, weight.contiguous(), group_ends, row_source, out, tiles=tiles)
 
 
 def fp8_dot_native(device: torch.device) -> bool:
