@@ -4,10 +4,11 @@ Every (token, choice) pair of the step is sorted by expert once; each expert the
 multiplies one contiguous group of rows. Three paths compute the same products:
 
 - `grouped_mm`: `torch._grouped_mm`, one kernel, no host sync. Used on the CPU and
-  for bf16 on sm90+ GPUs; on CUDA its fp32 form copies between host and device, so
-  a graph cannot capture it (seen with torch 2.11).
+  for bf16 prefill-sized steps on sm90+ GPUs; on CUDA its fp32 form copies between
+  host and device, so a graph cannot capture it (seen with torch 2.11).
 - `triton`: the grouped GEMM of `atom/kernels/expert_gemm.py`, one kernel per
-  projection in any dtype, no host sync: every other CUDA case.
+  projection in any dtype, no host sync: every other CUDA case, decode-sized bf16
+  steps included (`step_path`).
 - `loop`: one `F.linear` per group, reading the group sizes on the host once (an
   old torch without `_grouped_mm`, misaligned widths, no Triton). Not capturable.
 
@@ -75,6 +76,27 @@ def _grouped_linear(
             out[start:end] = F.linear(rows[start:end], weight[expert])
         start = end
     return out
+
+
+# Decode-sized steps, up to this many (token, choice) pairs, take the Triton GEMM
+# where `_grouped_mm` runs too: on an H100 (bf16, 64 experts of 2304 x 768, top 8,
+# graph-captured) the expert MLP through it took 0.87-0.94x the time of
+# `_grouped_mm`'s at 8 to 1024 pairs (`benchmarks/bench_kernels.py`, 2026-12-06).
+# Larger steps (prefill) keep `_grouped_mm`, which was not measured against it.
+_TRITON_DECODE_MAX_PAIRS = 1024
+
+
+def step_path(path: ExpertPath, num_pairs: int, device: torch.device) -> ExpertPath:
+    """The path one step takes: `path` (`expert_path`'s choice for the weights),
+    except that a decode-sized CUDA step swaps `grouped_mm` for `triton`."""
+    if (
+        path == "grouped_mm"
+        and device.type == "cuda"
+        and num_pairs <= _TRITON_DECODE_MAX_PAIRS
+        and triton_available(device)
+    ):
+        return "triton"
+    return path
 
 
 def expert_path(w13: torch.Tensor, w2: torch.Tensor) -> ExpertPath:

@@ -24,6 +24,7 @@ from atom.model_ops.grouped_experts import (
     ExpertPath,
     expert_path,
     grouped_expert_mlp,
+    step_path,
 )
 from atom.model_ops.linear import check_shape, divide, shard_of
 from atom.model_ops.quantization.mxfp4 import dequantize_mxfp4
@@ -185,8 +186,9 @@ class FusedExperts(nn.Module):
         """This rank's partial sum_k w_k * expert_k(x), [N, D] in fp32."""
         if self.quant_method is not None:
             return self.quant_method.apply(self, x, weights, expert_ids)
+        path = step_path(self.path, expert_ids.numel(), x.device)
         return grouped_expert_mlp(
-            x, weights, expert_ids, self.w13, self.w2, self.act, self.path
+            x, weights, expert_ids, self.w13, self.w2, self.act, path
         )
 
     @property

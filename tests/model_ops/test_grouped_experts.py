@@ -11,6 +11,7 @@ from atom.model_ops.grouped_experts import (
     expert_path,
     grouped_expert_mlp,
     grouped_mm_supported,
+    step_path,
 )
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -99,3 +100,14 @@ def test_cuda_experts_take_a_capturable_path_in_every_dtype(dtype):
         captured = grouped_expert_mlp(x, weights, ids, w13, w2, silu_and_mul, path)
     graph.replay()
     torch.testing.assert_close(captured, eager)
+
+
+def test_decode_sized_cuda_steps_take_triton_where_grouped_mm_runs():
+    cpu = torch.device("cpu")
+    assert step_path("grouped_mm", 8, cpu) == "grouped_mm"
+    assert step_path("loop", 8, cpu) == "loop"
+    if torch.cuda.is_available() and triton_available("cuda"):
+        cuda = torch.device("cuda")
+        assert step_path("grouped_mm", 1024, cuda) == "triton"
+        assert step_path("grouped_mm", 1025, cuda) == "grouped_mm"  # prefill
+        assert step_path("triton", 5000, cuda) == "triton"
