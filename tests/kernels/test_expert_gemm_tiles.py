@@ -17,9 +17,10 @@ def tile_choices():
 
     return [
         None,  # default_tiles
+        # fp32 operands: each fits the 227 KiB of shared memory of an sm90 SM.
         GemmTiles(16, 32, 32, num_warps=2, num_stages=2),
-        GemmTiles(32, 128, 128, num_warps=8, num_stages=4),
-        GemmTiles(64, 64, 256, num_warps=4, num_stages=5),
+        GemmTiles(32, 128, 64, num_warps=8, num_stages=3),
+        GemmTiles(64, 64, 128, num_warps=4, num_stages=2),
     ]
 
 

@@ -142,7 +142,13 @@ def test_graph_decode_equals_eager_decode(runners, num_seqs, dtype, num_drafts):
         graph_logits = runner.model.compute_logits(graph_out).float()
         graph_caches = snapshot(runner)
         restore(runner, before)
-        eager_out, _, _ = runner._forward(step, None, None)
+        eager_out, positions, slot_mapping = runner._forward(step, None, None)
+        if runner.graphs.after_forward is not None:
+            # The graph wrote the draft's context rows too; eagerly the runner
+            # writes them after the forward (model_runner._sample_and_draft).
+            runner.drafter.precompute_context_kv(
+                positions, slot_mapping, positions.numel()
+            )
         eager_logits = runner.model.compute_logits(eager_out).float()
         eager_caches = snapshot(runner)
     assert graph_logits.shape[0] == num_seqs * (num_drafts + 1)
