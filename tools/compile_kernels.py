@@ -217,7 +217,44 @@ def _per_dtype_specs(dt: str) -> list[KernelSpec]:
         for sparse in (False, True):
             specs.append(_gqa_decode_spec(dt, cache, sparse))
         specs.append(_index_scores_spec(dt, cache))
+        # Paged MLA decode (Kimi's latent rank 512 + RoPE 64), whose context splits
+        # now share each row's visible keys.
+        specs.append(_mla_decode_spec(dt, cache))
     return specs
+
+
+def _mla_decode_spec(dt: str, cache: str) -> KernelSpec:
+    ieee = dt == "fp32"
+    ints = (
+        "heads rows_per_seq table_width block_size min_split_keys stride_q_row "
+        "stride_q_head stride_pe_row stride_pe_head stride_cache_row"
+    )
+    return KernelSpec(
+        "paged_mla_decode",
+        "_mla_decode_kernel",
+        dict(
+            q_ptr=f"*{dt}",
+            q_pe_ptr=f"*{dt}",
+            cache_ptr=cache,
+            table_ptr="*i64",
+            position_ptr="*i64",
+            acc_ptr="*fp32",
+            stats_ptr="*fp32",
+            scale="fp32",
+            kv_scale="fp32",
+            **dict.fromkeys(ints.split(), "i32"),
+        ),
+        dict(
+            RANK=512,
+            ROPE=64,
+            BLOCK_C=512,
+            BLOCK_R=64,
+            BLOCK_H=16,
+            BLOCK_N=16 if ieee else 32,
+            IEEE=ieee,
+            FP8_CACHE=cache == "*fp8e4nv",
+        ),
+    )
 
 
 def _gqa_decode_spec(dt: str, cache: str, sparse: bool) -> KernelSpec:

@@ -58,6 +58,17 @@ def combine(acc: torch.Tensor, stats: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def split_keys(visible, split, min_split_keys, BLOCK_N: tl.constexpr):
+    """Keys [first, last) of this split (program axis 2) out of a row's `visible`
+    keys: the splits share the keys the row sees (not the table's width) in equal
+    whole chunks of BLOCK_N, none below `min_split_keys` (`min_keys_per_split`)."""
+    share = tl.maximum(tl.cdiv(visible, tl.num_programs(2)), min_split_keys)
+    share = tl.cdiv(share, BLOCK_N) * BLOCK_N
+    first = split * share
+    return first, tl.minimum(first + share, visible)
+
+
+@triton.jit
 def store_partials(
     acc_ptr, stats_ptr, row, split, heads, h, h_ok, cols, cols_ok, acc, m, total, WIDTH
 ):

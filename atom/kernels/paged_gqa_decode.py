@@ -28,6 +28,7 @@ from atom.kernels.context_splits import (
     combine,
     min_keys_per_split,
     num_splits_for,
+    split_keys,
     store_partials,
 )
 from atom.kernels.paged_walk import key_slots, online_softmax_step
@@ -71,7 +72,6 @@ def _gqa_decode_kernel(
     row = tl.program_id(0)  # sequence * rows_per_seq + query row
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    num_splits = tl.num_programs(2)
     seq = row // rows_per_seq
     j = tl.arange(0, BLOCK_G)
     h = kv_head * group + j  # the query heads of this KV head's group
@@ -85,11 +85,7 @@ def _gqa_decode_kernel(
     )
     # Keys 0..visible-1: up to the row's own position, never past the sequence's end.
     visible = tl.minimum(tl.load(position_ptr + row) + 1, tl.load(key_end_ptr + seq))
-    # Each split takes an equal share of this row's keys, in whole chunks.
-    share = tl.maximum(tl.cdiv(visible, num_splits), min_split_keys)
-    share = tl.cdiv(share, BLOCK_N) * BLOCK_N
-    first = split * share
-    last = tl.minimum(first + share, visible)
+    first, last = split_keys(visible, split, min_split_keys, BLOCK_N)
     if SPARSE:
         keep_row = (
             keep_ptr

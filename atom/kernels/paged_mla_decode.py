@@ -7,8 +7,9 @@ of one sequence for BLOCK_H heads (all heads share the latent row, as in multi-q
 attention) and walks that sequence's visible rows through its block table: scores
 against [c_kv | k_pe], an online softmax, and the probability-weighted sum of c_kv,
 all accumulated in fp32. Only live rows are read, so the cost follows the context,
-not the table width; long contexts are split over `num_splits` programs whose
-partial sums `context_splits.combine` merges. The value up-projection stays outside
+not the table width; long contexts are split over `num_splits` programs, each an
+equal share of the row's visible rows (`context_splits.split_keys`), whose partial
+sums `context_splits.combine` merges. The value up-projection stays outside
 (one GEMM).
 """
 
@@ -18,7 +19,13 @@ import torch
 import triton
 import triton.language as tl
 
-from atom.kernels.context_splits import combine, num_splits_for, store_partials
+from atom.kernels.context_splits import (
+    combine,
+    min_keys_per_split,
+    num_splits_for,
+    split_keys,
+    store_partials,
+)
 from atom.kernels.paged_walk import key_slots, online_softmax_step
 from atom.utils.arithmetic import ceil_div
 
@@ -36,7 +43,7 @@ def _mla_decode_kernel(
     rows_per_seq,
     table_width,
     block_size,
-    keys_per_split,
+    min_split_keys,
     scale,
     kv_scale,
     stride_q_row,
@@ -74,8 +81,7 @@ def _mla_decode_kernel(
     )
     # A query at position p sees the sequence's rows 0..p.
     visible = tl.load(position_ptr + row) + 1
-    first = split * keys_per_split
-    last = tl.minimum(first + keys_per_split, visible)
+    first, last = split_keys(visible, split, min_split_keys, BLOCK_N)
     m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     total = tl.zeros((BLOCK_H,), tl.float32)
     acc = tl.zeros((BLOCK_H, BLOCK_C), tl.float32)
@@ -135,7 +141,6 @@ def mla_decode(
     head_blocks = ceil_div(heads, block_h)
     block_size, width = kv_cache.shape[1], block_tables.shape[1]
     splits = num_splits_for(batch * rows * head_blocks, width * block_size, q_pe.device)
-    keys_per_split = ceil_div(width * block_size, splits)
     acc = torch.empty(batch * rows, splits, heads, rank, device=q_pe.device)
     stats = torch.empty(batch * rows, splits, heads, 2, device=q_pe.device)
     ieee = q_latent.dtype == torch.float32
@@ -151,7 +156,7 @@ def mla_decode(
         rows,
         width,
         block_size,
-        keys_per_split,
+        min_keys_per_split(q_pe.device),
         scale,
         kv_scale,
         q_latent.stride(0),
