@@ -22,7 +22,10 @@
 #     in any log; no P/D request fell back to a local prefill.
 # Needs the [eval] extra. Logs, lm-eval results and gate summaries land in OUT_DIR.
 # EXTRA_SERVE_ARGS: flags every server of the job also gets, e.g.
-# EXTRA_SERVE_ARGS="--kv-cache-dtype fp8" (the same gates hold).
+# EXTRA_SERVE_ARGS="--kv-cache-dtype fp8" (the same gates hold). With an online
+# quantization config (ptpc_fp8) the target-only reference runs at tp2: each rank
+# quantizes its slice of a row with its own scales, so fp8 numbers depend on the TP
+# size (docs/accuracy.md), and the scores it is compared with come from tp2 ranks.
 set -euo pipefail
 
 cd "$(dirname "$0")/../.."
@@ -89,7 +92,9 @@ evaluate_pd() {
 
 # kjv_choice (loglikelihood, through echo with prompt logprobs) beside the
 # generation task; P/D runs generation only (it moves a sequence to decode).
-evaluate target "" kjv_next_word,kjv_choice
+target_tp=1
+case "$extra" in *online_quant_config* | *online-quant-config*) target_tp=2 ;; esac
+evaluate target "-tp $target_tp" kjv_next_word,kjv_choice
 evaluate dspark "-pp 2 -tp 2 --method dspark --draft-model $draft --num-speculative-tokens 7" \
   kjv_next_word,kjv_choice
 evaluate_pd
@@ -97,7 +102,7 @@ evaluate_pd
 common=(--task kjv_next_word --metric "exact_match,first-word" --num-fewshot 0
   --num-samples "$num_docs" --min-over-chance 2)
 status=0
-"$python" -m scripts.ci.gate --name "tiny-kimi-k3 target-only pp1 x tp1" \
+"$python" -m scripts.ci.gate --name "tiny-kimi-k3 target-only pp1 x tp$target_tp" \
   --results "$out/target/lm_eval" "${common[@]}" \
   --server-log "$out/target/server.log" --mtp-stats "$out/target/mtp_stats.json" \
   --expect-marker relay=0 --expect-marker kda_rollback=0 \
@@ -118,7 +123,7 @@ status=0
   --summary "$out/pd/gate.json" || status=1
 choice=(--task kjv_choice --metric "acc,none" --num-fewshot 0
   --num-samples "$num_docs" --min-over-chance 2)
-"$python" -m scripts.ci.gate --name "tiny-kimi-k3 kjv_choice target-only pp1 x tp1" \
+"$python" -m scripts.ci.gate --name "tiny-kimi-k3 kjv_choice target-only pp1 x tp$target_tp" \
   --results "$out/target/lm_eval" "${choice[@]}" \
   --summary "$out/target/gate_choice.json" || status=1
 "$python" -m scripts.ci.gate --name "tiny-kimi-k3 kjv_choice DSpark pp2 x tp2" \
