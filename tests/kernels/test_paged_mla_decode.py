@@ -5,34 +5,15 @@ import torch
 
 from atom.kernels import triton_available
 from atom.kernels.context_splits import combine
-from atom.model_engine.batch import SeqWork
-from atom.model_engine.model_inputs import prepare_inputs
 from atom.model_ops.attention_backend import (
     LatentLayer,
     TorchMLABackend,
     select_mla_backend,
 )
 from atom.model_ops.paged_cache import FP8_KV_DTYPE
+from tests.kernels.paged_helpers import BLOCK_SIZE, CONTEXTS, DEVICES, NUM_BLOCKS, step
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-BLOCK_SIZE, NUM_BLOCKS = 4, 40
 HEADS, NOPE, ROPE, RANK, V_DIM = 3, 8, 16, 32, 8
-
-
-def step(device, contexts, rows, tables):
-    works = [
-        SeqWork(
-            seq_id=i,
-            token_ids=[1] * rows,
-            context_len=context,
-            block_table=table,
-            state_slot=i,
-            num_drafts=rows - 1,
-        )
-        for i, (context, table) in enumerate(zip(contexts, tables))
-    ]
-    # A wide table, as a captured graph fixes it: rows past each context are stale.
-    return prepare_inputs(works, BLOCK_SIZE, device, table_width=12)[2]
 
 
 @pytest.mark.kernels
@@ -48,9 +29,7 @@ def test_triton_backend_attends_as_the_torch_backend(device, rows, fp8_cache):
     def randn(*shape):
         return torch.randn(*shape, generator=gen, device=device).to(dtype)
 
-    contexts = [5, 17, 30]  # every sequence has cached rows (decode, verify)
-    tables = [[3, 9, 5], [1, 4, 22, 8, 30, 31], [10, 11, 12, 13, 14, 15, 16, 17, 18]]
-    metadata = step(device, contexts, rows, tables)
+    metadata = step(device, rows)
     cache = randn(NUM_BLOCKS, BLOCK_SIZE, RANK + ROPE)
     # Block 0 pads the tables and block 2 is nobody's: neither may be read.
     cache[0] = cache[2] = float("nan")
@@ -58,7 +37,7 @@ def test_triton_backend_attends_as_the_torch_backend(device, rows, fp8_cache):
     kv_scale = 0.5 if fp8_cache else 1.0
     if fp8_cache:
         cache = (cache.float() / kv_scale).to(FP8_KV_DTYPE)
-    tokens = len(contexts) * rows
+    tokens = len(CONTEXTS) * rows
     q_nope, q_pe = randn(tokens, HEADS, NOPE), randn(tokens, HEADS, ROPE)
     latent = randn(tokens, RANK + ROPE)
     kv_b = randn(HEADS * (NOPE + V_DIM), RANK) / 4
