@@ -248,6 +248,9 @@ class EngineSettings:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    # While sequences decode, a new prompt waits factor x the last prefill step
+    # (model_engine/prefill_pacer.py); 0 admits it at once.
+    scheduler_delay_factor: float = 0.0
     # Capture decode steps as CUDA graphs (CUDA only); True runs every step eagerly.
     enforce_eager: bool = False
     # Batch sizes to capture; None: the default ladder up to max_num_seqs.
@@ -310,6 +313,10 @@ class Config(EngineSettings):
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(
                 f"dtype must be auto or one of {', '.join(DTYPES)}, got {self.dtype!r}"
+            )
+        if not self.scheduler_delay_factor >= 0:  # NaN too
+            raise ValueError(
+                f"scheduler_delay_factor must be >= 0, got {self.scheduler_delay_factor}"
             )
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(

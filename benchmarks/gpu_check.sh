@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# The GPU check, one run on one GPU (8 to 10 minutes on an H200 or H100, a third of it
+# The GPU check, one run on one GPU (7 to 10 minutes on an H200 or H100, a third of it
 # fla autotuning its kernels on a fresh machine): every CUDA test,
 # `atom generate --device cuda` in the default dtype with and without DSpark, DSpark
-# vs target-only (bf16) and the figures of benchmarks/bench_vs_transformers.py. Every command's whole output is printed (and kept in LOG_DIR); the
-# run ends with one summary line per check and exits non-zero if any failed.
+# vs target-only (bf16) offline and through `atom serve`, and the figures of
+# benchmarks/bench_vs_transformers.py. Every command's whole output is printed (and
+# kept in LOG_DIR); the run ends with one summary line per check and exits non-zero
+# if any failed.
 #
 # Usage: bash benchmarks/gpu_check.sh [LOG_DIR]
 # Wheels missing from the machine's image (flash-linear-attention, fastapi, ...)
@@ -87,6 +89,12 @@ check dspark-vs-target "grep -E 'tok/s' | sed -E 's/ \(per position[^)]*\)//; s/
   python3 benchmarks/bench_offline.py --device cuda --dtype bfloat16 \
   --model tiny-kimi-k3 --draft-model tiny-kimi-k3-dspark --layouts 1x1 \
   --num-prompts 16 --input-len 64 --output-len 128
+
+# Issue 20's serving shape through `atom serve` (target-only, then DSpark): TPOT
+# and DSpark's output throughput ratio, each from a second pass over warm servers.
+check serving "grep -E '^(target-only|dspark)' | cut -d, -f1,2 | tr '\n' ';'" \
+  python3 benchmarks/bench_serving_dspark.py --device cuda --dtype bfloat16 \
+  --log-dir "$log"
 
 # Last, as the longest: its first atom engine pays about 80 s of fla autotuning
 # at the 2.6 B checkpoint's KDA widths.

@@ -238,6 +238,14 @@ class EngineArgs(EngineSettings):
             help="split long prompts across steps",
         )
         parser.add_argument(
+            "--scheduler-delay-factor",
+            type=float,
+            default=defaults.scheduler_delay_factor,
+            help="while sequences decode, hold a new prompt back until it has "
+            "waited this many times the last prefill step, so that arrivals share "
+            "one prefill (0: start it at once)",
+        )
+        parser.add_argument(
             "--gpu-memory-utilization",
             type=float,
             default=defaults.gpu_memory_utilization,

@@ -28,6 +28,7 @@ from atom.kv_transfer.rank_calls import bootstrap_drafts, load_kv, rank_kv_layou
 from atom.kv_transfer.regions import EngineLayout, RankLayout
 from atom.model_engine.batch import ScheduledBatch
 from atom.model_engine.output_processor import OutputProcessor, RequestOutput
+from atom.model_engine.prefill_pacer import PrefillPacer
 from atom.model_engine.scheduler import Scheduler
 from atom.model_engine.sequence import Sequence
 from atom.model_engine.worker import (
@@ -70,6 +71,7 @@ class LLMEngine:
             has_recurrent_state=info.has_recurrent_state,
             eos_token_id=self._eos_token_id(),
             connector=self.kv_connector,
+            pacer=PrefillPacer(config.scheduler_delay_factor),
         )
         self.outputs = OutputProcessor(self.tokenizer)
         # Seeds of requests that come without one; Config.seed makes them repeatable.

@@ -3,7 +3,8 @@
 Policy (as nano-vllm and ATOM): prefill first. A batch is either a prefill batch
 (chunks of sequences with more than one uncomputed token, plus new admissions) or
 a decode batch (`[last]` plus up to T drafts per sequence), never both, so every
-row of a verify forward is verify-shaped.
+row of a verify forward is verify-shaped. New prompts may wait a moment while
+others decode, so that arrivals share one prefill batch (`prefill_pacer.py`).
 
 Several batches may be in flight (pipeline parallelism): a prefill chunk advances
 `num_computed_tokens` when it is scheduled, so the next chunk can follow at once,
@@ -27,6 +28,7 @@ from atom.model_engine.batch import (
     SeqWork,
 )
 from atom.model_engine.block_manager import BlockManager
+from atom.model_engine.prefill_pacer import PrefillPacer
 from atom.model_engine.sequence import Sequence, SequenceStatus
 from atom.model_engine.state_cache import StateCheckpointPool, StateSlotAllocator
 from atom.spec_decode.metrics import SpecDecodeStats
@@ -54,6 +56,7 @@ class Scheduler:
         has_recurrent_state: bool = False,
         eos_token_id: int | Iterable[int] | None = None,
         connector: KVConnectorScheduler | None = None,
+        pacer: PrefillPacer | None = None,
     ) -> None:
         limits.check_kv_blocks(num_kv_blocks)
         # P/D (docs/pd.md): None on an engine that moves no KV.
@@ -62,6 +65,8 @@ class Scheduler:
         self.has_recurrent_state = has_recurrent_state
         eos = [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id
         self.eos_token_ids = frozenset(eos or ())
+        # Admission of new prompts while others decode (prefill_pacer.py).
+        self.pacer = pacer or PrefillPacer(0.0)
 
         # A model without recurrent state resumes any cached prefix from its KV alone.
         num_checkpoints = limits.num_state_checkpoints if has_recurrent_state else 0
@@ -140,7 +145,8 @@ class Scheduler:
 
     # ---- scheduling ----
     def schedule(self) -> ScheduledBatch | None:
-        works = self._schedule_prefill() or self._schedule_decode()
+        prefill = self._schedule_prefill()
+        works = prefill or self._schedule_decode()
         if not works:
             return None
         batch = ScheduledBatch(
@@ -150,6 +156,8 @@ class Scheduler:
             finished_seq_ids=self._pending_finished,
         )
         self._next_batch_id += 1
+        if prefill:
+            self.pacer.started(batch.batch_id)
         self._pending_commits = {}
         self._pending_finished = []
         for work in works:
@@ -169,8 +177,14 @@ class Scheduler:
                     works.append(work)
                     budget -= work.num_rows
         max_num_seqs = self.limits.max_num_seqs
+        # A prompt admitted while others decode stalls them for a step: once the
+        # oldest has waited its turn, every waiting prompt shares that step.
+        held = bool(self.waiting and self.running and not works) and not (
+            self.pacer.admits(self.waiting[0].arrival_time)
+        )
         while (
-            self.waiting
+            not held
+            and self.waiting
             and budget > 0
             and len(self.running) + len(self.parked) < max_num_seqs
         ):
@@ -496,6 +510,7 @@ class Scheduler:
         self, batch: ScheduledBatch, output: BatchOutput | None
     ) -> list[Sequence]:
         """Apply one batch's output; returns the sequences that finished."""
+        self.pacer.finished(batch.batch_id, sampled=output is not None)
         works = [work for work in batch.work if work.sample]
         if output is None:
             if works:
