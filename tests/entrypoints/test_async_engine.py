@@ -11,12 +11,12 @@ import threading
 import pytest
 
 from atom import LLMEngine, SamplingParams
+from atom.entrypoints.openai.api_error import error_for
 from atom.entrypoints.openai.async_engine import (
     LARGE_TEXT_CHARS,
     AsyncEngine,
     RequestFailedError,
 )
-from atom.entrypoints.openai.serving import error_for
 
 SETTINGS = dict(device="cpu", max_model_len=128, max_num_seqs=8, block_size=16)
 GREEDY = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)

@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from atom.distributed.node_layout import NodeLayoutError
+from atom.entrypoints.openai.api_error import APIError, error_for
 from atom.entrypoints.openai.async_engine import AsyncEngine, EngineDeadError
 from atom.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics, StatsLogger
 from atom.entrypoints.openai.protocol import ModelCard, ModelList
@@ -23,7 +24,7 @@ from atom.entrypoints.openai.request_guard import (
     DEFAULT_MAX_REQUEST_BODY_BYTES,
     RequestGuard,
 )
-from atom.entrypoints.openai.serving import APIError, OpenAIServing, error_for
+from atom.entrypoints.openai.serving import OpenAIServing
 from atom.model_engine.arg_utils import EngineArgs
 from atom.utils.api_key import API_KEY_ENV, api_key_from_env
 from atom.utils.arg_parser import FlexibleArgumentParser, positive_int

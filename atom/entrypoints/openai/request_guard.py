@@ -16,7 +16,7 @@ import logging
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from atom.entrypoints.openai.serving import APIError
+from atom.entrypoints.openai.api_error import APIError
 
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]

@@ -16,7 +16,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
-from atom.entrypoints.openai.async_engine import AsyncEngine, EngineDeadError
+from atom.entrypoints.openai.api_error import APIError, error_for
+from atom.entrypoints.openai.async_engine import AsyncEngine
 from atom.entrypoints.openai.choices import (
     best_of_each,
     close_all,
@@ -64,41 +65,6 @@ RequestT = TypeVar("RequestT", bound=OpenAIRequest)
 # OpenAI's chat default is "until the context is full"; cap it as ATOM does.
 CHAT_DEFAULT_MAX_TOKENS = 8192
 DISCONNECT_POLL_S = 0.5
-
-
-class APIError(Exception):
-    """Answered as `{"error": {"message", "type", "code"}}` with `status`."""
-
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.kind = kind
-
-    def response(self) -> JSONResponse:
-        info = ErrorInfo(message=self.message, type=self.kind, code=self.status)
-        return JSONResponse(ErrorResponse(error=info).model_dump(), self.status)
-
-
-def error_for(exc: BaseException) -> APIError:
-    """Map an exception raised while serving a request to its HTTP error.
-
-    An unexpected one is logged with its traceback under a fresh error id; the
-    client gets that id in one line, never the traceback.
-    """
-    if isinstance(exc, APIError):
-        return exc
-    if isinstance(exc, EngineDeadError):
-        return APIError(503, f"the engine is not running: {exc}", "service_unavailable")
-    if isinstance(exc, ValueError | TypeError):
-        return APIError(400, str(exc))
-    error_id = random_id("error")
-    logger.error("request failed, error id %s", error_id, exc_info=exc)
-    return APIError(
-        500,
-        f"internal error {error_id} ({type(exc).__name__}); the server log has details",
-        "internal_error",
-    )
 
 
 def with_transfer_params(response: BaseModel, output: Any) -> dict[str, Any]:
