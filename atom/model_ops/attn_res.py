@@ -2,9 +2,13 @@
 
 A softmax over the closed blocks and the current partial sum, scored by a learned
 projection of each RMS-normalised candidate, replaces the residual stream in K3.
+On CUDA the mix runs as one Triton kernel (`atom/kernels/attn_res_mix.py`); on CPU,
+and wherever autograd needs the graph (training), as the torch reference.
 """
 
 import torch
+
+from atom.kernels import triton_available
 
 
 def attn_res_mix(
@@ -34,6 +38,26 @@ def attn_res_mix(
             f"norm_weight {tuple(norm_weight.shape)} and proj_weight "
             f"{tuple(proj_weight.shape)} must each hold {hidden} values"
         )
+    if (
+        partial.is_cuda
+        and triton_available(partial.device)
+        and not (torch.is_grad_enabled())
+    ):
+        from atom.kernels.attn_res_mix import attn_res_mix_triton
+
+        return attn_res_mix_triton(bank, partial, norm_weight, proj_weight, eps)
+    return attn_res_mix_reference(bank, partial, norm_weight, proj_weight, eps)
+
+
+def attn_res_mix_reference(
+    bank: torch.Tensor,
+    partial: torch.Tensor,
+    norm_weight: torch.Tensor,
+    proj_weight: torch.Tensor,
+    eps: float,
+) -> torch.Tensor:
+    """`attn_res_mix` in torch ops, for bank [T, nB >= 1, H] (shapes checked)."""
+    hidden = partial.shape[1]
     candidates = torch.cat([bank.float(), partial.float().unsqueeze(1)], dim=1)
     # The norm weight and the 1-row projection fold into one scoring vector.
     score_vector = norm_weight.float().reshape(hidden) * proj_weight.float().reshape(

@@ -53,6 +53,9 @@ class StateSlots:
 
 class KDABackend(Protocol):
     name: str
+    # Prefills of at most this many rows per sequence (padded) run through `decode`
+    # and `conv_decode`, row by row in the state pools, instead of `prefill`.
+    decode_prefill_rows: int
 
     def prefill(
         self,
@@ -125,6 +128,7 @@ class TorchKDABackend:
     """Plain PyTorch: padded rows (g = 0, beta = 0) are neutral, so no lengths needed."""
 
     name = "torch"
+    decode_prefill_rows = 0
     conv_decode = staticmethod(torch_conv_decode)
 
     def prefill(self, q, k, v, g, beta, state, metadata):
@@ -144,6 +148,7 @@ class FlaKDABackend:
     """
 
     name = "fla"
+    decode_prefill_rows = 0
     conv_decode = staticmethod(torch_conv_decode)
 
     def __init__(self) -> None:
@@ -184,9 +189,16 @@ class TritonKDABackend:
     """atom's decode kernels (`atom/kernels/kda_decode.py`, `kda_conv_decode.py`):
     each sequence's states are read from and written to its slots inside the
     kernels, verify snapshots too.
-    Prefill runs `prefill_backend` (fla's chunked kernels when importable)."""
+    Prefill runs `prefill_backend` (fla's chunked kernels when importable), but for
+    short prompts: there the two decode kernels, looping over the rows, cost one
+    launch each per layer where fla's chunked KDA costs over ten, each with its
+    Python-side dispatch, and the GPU's time is the smaller share of either
+    (`benchmarks/bench_kda_prefill.py` measures where the chunked kernels win).
+    Padded rows (g = 0, beta = 0) leave a state as it was, so the decode kernels
+    take a padded prefill batch as it is."""
 
     name = "triton"
+    decode_prefill_rows = 256
 
     def __init__(self, prefill_backend: KDABackend) -> None:
         # Imported here: the kernel modules import triton, which may be absent.

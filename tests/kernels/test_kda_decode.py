@@ -124,3 +124,27 @@ def test_conv_kernel_updates_the_pool_as_the_torch_conv_does(device, lengths, ve
         for b, n in enumerate(lengths):  # the rows each sequence really has
             slot = slots[b]
             torch.testing.assert_close(snaps[0][slot, :n], snaps[1][slot, :n])
+
+
+@pytest.mark.kernels
+def test_short_prefills_through_the_decode_kernels_equal_the_chunked_prefill():
+    """The triton backend runs short prompts row by row in the state pools: the
+    logits of a prefill of two uneven prompts, then of a second chunk continuing
+    the first one's states, equal the torch backend's chunked prefill."""
+    if not triton_available("cpu"):
+        pytest.skip("triton cannot run here")
+    from tests.models.kimi_helpers import bind_caches, build_target, logits_of, work
+
+    chunks = [
+        [work(range(1, 8), slot=0), work(range(3, 6), slot=1, first_block=16)],
+        [work(range(8, 13), context_len=7, slot=0)],
+    ]
+    logits = {}
+    for choice in ("torch", "triton"):
+        model, _ = build_target("tiny-kimi-k3", kda_backend=choice)
+        bind_caches(model)
+        logits[choice] = [logits_of(model, chunk) for chunk in chunks]
+    backend = select_kda_backend("cpu", "triton")
+    assert backend.decode_prefill_rows >= 7  # both chunks took the decode kernels
+    for ours, reference in zip(logits["triton"], logits["torch"]):
+        torch.testing.assert_close(ours, reference, rtol=1e-4, atol=1e-4)

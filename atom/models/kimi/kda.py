@@ -242,7 +242,10 @@ class KimiDeltaAttention(nn.Module):
         batch, rows = mixed.shape[:2]
         ssm = StateSlots(self.ssm_state, slots, fresh)
         conv = StateSlots(self.conv_state, slots, fresh)
-        decode = rows == 1 or metadata.keeps_row_states
+        decode = (
+            rows <= max(1, self._backend.decode_prefill_rows)
+            or metadata.keeps_row_states
+        )
         if metadata.keeps_row_states:
             self._check_snapshot_rows(rows)
             ssm = dataclasses.replace(ssm, snapshots=self.ssm_snapshots)
