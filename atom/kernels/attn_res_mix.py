@@ -6,7 +6,9 @@ square, mean, rsqrt, the scoring product, softmax, the weighted sum, the cast ba
 K3 mixes twice per layer, so in an eager prefill step those launches are a large
 share of the host's time and in a decode graph a large share of its kernels. Here
 each program reads every candidate row of its token once, scores it, folds it into
-a running softmax-weighted sum in fp32 and writes the mix once.
+a running softmax-weighted sum in fp32 and writes the mix once. Every mix in K3 feeds
+an RMSNorm (the layer's two input norms, the final norm), so the kernel applies that
+norm too, to the mix rounded to the activation dtype as the unfused pair would.
 """
 
 from __future__ import annotations
@@ -34,12 +36,16 @@ def _attn_res_mix_kernel(
     norm_ptr,
     proj_ptr,
     out_ptr,
+    out_norm_ptr,
     blocks,
     hidden,
     stride_bank_token,
     stride_bank_block,
     stride_partial,
     eps,
+    out_eps,
+    out_weight_offset,
+    NORM: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
@@ -62,7 +68,13 @@ def _attn_res_mix_kernel(
     best, total, mix = _fold(
         c.to(tl.float32), score_vector, hidden, eps, best, total, mix
     )
-    tl.store(out_ptr + token * hidden + cols, mix / total, mask=inside)
+    mix = mix / total
+    if NORM:
+        mix = mix.to(out_ptr.dtype.element_ty).to(tl.float32)
+        inverse_rms = tl.rsqrt(tl.sum(mix * mix, axis=0) / hidden + out_eps)
+        w = tl.load(out_norm_ptr + cols, mask=inside, other=0.0).to(tl.float32)
+        mix = mix * inverse_rms * (w + out_weight_offset)
+    tl.store(out_ptr + token * hidden + cols, mix, mask=inside)
 
 
 def attn_res_mix_triton(
@@ -71,9 +83,11 @@ def attn_res_mix_triton(
     norm_weight: torch.Tensor,
     proj_weight: torch.Tensor,
     eps: float,
+    out_norm: tuple[torch.Tensor, float, float] | None = None,
 ) -> torch.Tensor:
     """The mix [T, H] in partial.dtype of bank [T, nB, H] (nB >= 1) and partial
-    [T, H]; any token and block strides, contiguous hidden rows (copied if not)."""
+    [T, H]; any token and block strides, contiguous hidden rows (copied if not).
+    With `out_norm` = (weight, eps, weight_offset), the RMSNorm of the mix."""
     tokens, hidden = partial.shape
     if bank.stride(-1) != 1:
         bank = bank.contiguous()
@@ -89,12 +103,16 @@ def attn_res_mix_triton(
         norm_weight.reshape(hidden),
         proj_weight.reshape(hidden),
         out,
+        out_norm[0] if out_norm is not None else out,
         bank.shape[1],
         hidden,
         bank.stride(0),
         bank.stride(1),
         partial.stride(0),
         eps,
+        out_norm[1] if out_norm is not None else 0.0,
+        out_norm[2] if out_norm is not None else 0.0,
+        NORM=out_norm is not None,
         BLOCK=block,
         num_warps=min(16, max(1, block // 256)),
     )

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from atom.kernels import triton_available
-from atom.model_ops.attn_res import attn_res_mix_reference
+from atom.model_ops.attn_res import attn_res_mix
+from atom.model_ops.layernorm import rms_norm_reference
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 CASES = [
@@ -17,7 +18,9 @@ CASES = [
 @pytest.mark.kernels
 @pytest.mark.parametrize("device,dtype", CASES)
 @pytest.mark.parametrize("blocks", [1, 3])
-def test_mix_equals_the_reference(device, dtype, blocks):
+@pytest.mark.parametrize("weight_offset", [None, 0.0, 1.0])
+def test_mix_and_its_norm_equal_the_reference(device, dtype, blocks, weight_offset):
+    """The mix alone (weight_offset None), and with the RMSNorm after it."""
     if not triton_available(device):
         pytest.skip("triton cannot run here")
     from atom.kernels.attn_res_mix import attn_res_mix_triton
@@ -34,8 +37,13 @@ def test_mix_equals_the_reference(device, dtype, blocks):
     partial = randn(tokens, 2 * hidden)[:, :hidden]
     norm_weight = 1 + randn(hidden, scale=0.1)
     proj_weight = randn(1, hidden, scale=2.0)
-    out = attn_res_mix_triton(bank, partial, norm_weight, proj_weight, 1e-6)
-    expected = attn_res_mix_reference(bank, partial, norm_weight, proj_weight, 1e-6)
+    then = None
+    expected = attn_res_mix(bank, partial, norm_weight, proj_weight, 1e-6)
+    if weight_offset is not None:
+        out_weight = randn(hidden, scale=0.5)
+        then = (out_weight, 1e-5, weight_offset)
+        expected = rms_norm_reference(expected, out_weight, 1e-5, weight_offset)
+    out = attn_res_mix_triton(bank, partial, norm_weight, proj_weight, 1e-6, then)
     assert out.dtype == dtype and out.shape == (tokens, hidden)
     tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else {}
     torch.testing.assert_close(out, expected, **tolerance)

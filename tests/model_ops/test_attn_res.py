@@ -1,6 +1,7 @@
 import torch
 
-from atom.model_ops.attn_res import attn_res_mix
+from atom.model_ops.attn_res import attn_res_mix, attn_res_mix_norm
+from atom.model_ops.layernorm import RMSNorm
 
 
 def random_weights(hidden, seed=0):
@@ -83,3 +84,18 @@ def test_rejects_mismatched_bank():
         assert "bank" in str(err)
     else:
         raise AssertionError("a bank of the wrong width must be rejected")
+
+
+def test_mix_norm_is_the_norm_of_the_mix():
+    gen = torch.Generator().manual_seed(7)
+    bank = torch.randn(3, 2, 8, generator=gen)
+    partial = torch.randn(3, 8, generator=gen)
+    norm, proj = random_weights(8, seed=8)
+    out_norm = RMSNorm(8, eps=1e-5)
+    out_norm.weight.data = torch.rand(8, generator=gen) + 0.5
+    mixed = attn_res_mix_norm(bank, partial, norm, proj, 1e-5, out_norm)
+    torch.testing.assert_close(
+        mixed, out_norm(attn_res_mix(bank, partial, norm, proj, 1e-5))
+    )
+    alone = attn_res_mix_norm(None, partial, norm, proj, 1e-5, out_norm)
+    torch.testing.assert_close(alone, out_norm(partial))

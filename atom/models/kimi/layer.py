@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from atom.model_ops.attn_res import attn_res_mix
+from atom.model_ops.attn_res import attn_res_mix_norm
 from atom.model_ops.layernorm import RMSNorm, pre_norm_attention
 from atom.model_ops.linear import ReplicatedLinear
 from atom.models.kimi.config import KimiTextConfig
@@ -60,10 +60,16 @@ class KimiDecoderLayer(nn.Module):
             self.mlp_res_norm = RMSNorm(hidden, eps=eps)
             self.mlp_res_proj = ReplicatedLinear(hidden, 1)
 
-    def _mix(
-        self, norm: RMSNorm, proj: ReplicatedLinear, bank: torch.Tensor, p: torch.Tensor
+    def _mix_norm(
+        self,
+        norm: RMSNorm,
+        proj: ReplicatedLinear,
+        bank: torch.Tensor,
+        p: torch.Tensor,
+        then: RMSNorm,
     ) -> torch.Tensor:
-        return attn_res_mix(bank, p, norm.weight, proj.weight, self.eps)
+        """then(AttnRes mix of bank and p, scored through norm and proj)."""
+        return attn_res_mix_norm(bank, p, norm.weight, proj.weight, self.eps, then)
 
     def _ffn(self, x: torch.Tensor) -> torch.Tensor:
         if hasattr(self, "block_sparse_moe"):
@@ -93,18 +99,26 @@ class KimiDecoderLayer(nn.Module):
                 f"AttnRes layer {self.layer_idx} needs block_residual (the bank)"
             )
         bank = block_residual
-        mixed = self._mix(
-            self.self_attention_res_norm, self.self_attention_res_proj, bank, stream
+        x = self._mix_norm(
+            self.self_attention_res_norm,
+            self.self_attention_res_proj,
+            bank,
+            stream,
+            self.input_layernorm,
         )
-        x = self.input_layernorm(mixed)
         partial: torch.Tensor | None = stream
         if self.opens_block:
             bank = torch.cat([bank, stream.unsqueeze(1)], dim=1)
             partial = None
         attn_out = self.self_attn(positions, x)
         partial = attn_out if partial is None else partial + attn_out
-        mixed = self._mix(self.mlp_res_norm, self.mlp_res_proj, bank, partial)
-        z = self.post_attention_layernorm(mixed)
+        z = self._mix_norm(
+            self.mlp_res_norm,
+            self.mlp_res_proj,
+            bank,
+            partial,
+            self.post_attention_layernorm,
+        )
         return self._ffn(z), partial, bank
 
     def aux_hidden_state(self, output: LayerOutput) -> torch.Tensor:

@@ -14,7 +14,7 @@ import torch
 
 from atom.config import Config
 from atom.distributed.parallel_state import get_pp_group, get_tp_group
-from atom.model_ops.attn_res import attn_res_mix
+from atom.model_ops.attn_res import attn_res_mix_norm
 from atom.model_ops.layernorm import RMSNorm
 from atom.model_ops.linear import ReplicatedLinear
 from atom.model_ops.quantization.apply import declare_checkpoint_experts
@@ -122,15 +122,16 @@ class KimiLinearModel(PipelineTextStack):
                 )
             return IntermediateTensors({"hidden_states": hidden, "residual": residual})
         stream = residual + hidden
-        if self.attn_res:
-            stream = attn_res_mix(
-                bank,
-                stream,
-                self.output_attn_res_norm.weight,
-                self.output_attn_res_proj.weight,
-                self.text_config.rms_norm_eps,
-            )
-        return self.norm(stream)
+        if not self.attn_res:
+            return self.norm(stream)
+        return attn_res_mix_norm(
+            bank,
+            stream,
+            self.output_attn_res_norm.weight,
+            self.output_attn_res_proj.weight,
+            self.text_config.rms_norm_eps,
+            self.norm,
+        )
 
 
 class KimiLinearForCausalLM(PipelineCausalLM):
