@@ -7,10 +7,13 @@ random prompts. The first pass meets every batch shape for the first time (Trito
 compiles a kernel per new specialization, about a second each on a fresh machine)
 and is only printed; the figures and DSpark's throughput ratio come from the
 second. Issue 20's serving shape is the default: concurrency 16, 128 tokens in and
-64 out, bf16.
+64 out, bf16. Each `--dspark-args` adds a DSpark server with those flags (and its
+ratio to the one target-only server), so variants compare within one run.
 
     python benchmarks/bench_serving_dspark.py --device cuda --dtype bfloat16
     python benchmarks/bench_serving_dspark.py --serve-args "--scheduler-delay-factor 0.5"
+    python benchmarks/bench_serving_dspark.py --dspark-args "" \
+        --dspark-args "--scheduler-delay-factor 0.5"
 """
 
 from __future__ import annotations
@@ -95,6 +98,11 @@ def main() -> None:
     parser.add_argument(
         "--serve-args", default="", help="more `atom serve` flags, for both servers"
     )
+    parser.add_argument(
+        "--dspark-args",
+        action="append",
+        help="flags of one more DSpark server (repeatable; default: one, no flags)",
+    )
     parser.add_argument("--port", type=int, default=8017)
     parser.add_argument("--log-dir", default=tempfile.gettempdir())
     args = parser.parse_args()
@@ -106,25 +114,31 @@ def main() -> None:
         "--num-speculative-tokens",
         str(args.num_speculative_tokens),
     ]
+    servers = [("target-only", [])]
+    variants = args.dspark_args or [""]
+    for index, extra in enumerate(variants):
+        label = "dspark" if len(variants) == 1 else f"dspark-{index + 1}"
+        servers.append((label, spec_flags + shlex.split(extra)))
     with tempfile.TemporaryDirectory() as scratch:
         records = {
             label: serve_and_measure(args, label, flags, Path(scratch))
-            for label, flags in (("target-only", []), ("dspark", spec_flags))
+            for label, flags in servers
         }
     print()
-    for label, record in records.items():
+    for (label, flags), record in zip(servers, records.values()):
+        extra = " ".join(flags[len(spec_flags) :]) if label != "target-only" else ""
         print(
             f"{label}: output {record['output_throughput']:.1f} tok/s, "
             f"TPOT mean {record['mean_tpot_ms']:.2f} ms "
             f"(median {record['median_tpot_ms']:.2f}), "
             f"TTFT mean {record['mean_ttft_ms']:.1f} ms, "
             f"{record['completed']}/{args.num_prompts} requests"
+            + (f" [{extra}]" if extra else "")
         )
-    ratio = (
-        records["dspark"]["output_throughput"]
-        / records["target-only"]["output_throughput"]
-    )
-    print(f"dspark / target-only output throughput: {ratio:.2f}x")
+    baseline = records["target-only"]["output_throughput"]
+    for label, _ in servers[1:]:
+        ratio = records[label]["output_throughput"] / baseline
+        print(f"{label} / target-only output throughput: {ratio:.2f}x")
 
 
 if __name__ == "__main__":
