@@ -1,8 +1,8 @@
 """Where a KDA prefill should leave the decode kernels for fla's chunked kernels.
 
-The triton KDA backend (`atom/model_ops/kda_backend.py`) runs prefills of at most
-`decode_prefill_rows` rows per sequence through its decode kernels, row by row in
-the state pools, and longer ones through fla's chunked KDA. This times one layer's
+The triton KDA backend (`atom/model_ops/kda_backend.py`) runs small prefills
+(`TritonKDABackend.runs_as_decode`) through its decode kernels, row by row in the
+state pools, and larger ones through fla's chunked KDA. This times one layer's
 recurrence both ways (the short conv with its state gather and scatter, then the
 KDA recurrence with its own), wall clock of eager calls as a prefill step runs
 them, host included, for fresh prompts of each length:

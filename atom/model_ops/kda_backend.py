@@ -53,9 +53,12 @@ class StateSlots:
 
 class KDABackend(Protocol):
     name: str
-    # Prefills of at most this many rows per sequence (padded) run through `decode`
-    # and `conv_decode`, row by row in the state pools, instead of `prefill`.
-    decode_prefill_rows: int
+
+    def runs_as_decode(self, batch: int, rows: int) -> bool:
+        """Whether a step of `batch` sequences padded to `rows` rows (not a verify
+        step: that always is) runs through `decode` and `conv_decode`, row by row
+        in the state pools, rather than through `prefill`."""
+        ...
 
     def prefill(
         self,
@@ -128,8 +131,10 @@ class TorchKDABackend:
     """Plain PyTorch: padded rows (g = 0, beta = 0) are neutral, so no lengths needed."""
 
     name = "torch"
-    decode_prefill_rows = 0
     conv_decode = staticmethod(torch_conv_decode)
+
+    def runs_as_decode(self, batch, rows):
+        return rows == 1
 
     def prefill(self, q, k, v, g, beta, state, metadata):
         return chunk_kda(q, k, v, g, beta, state)
@@ -148,8 +153,10 @@ class FlaKDABackend:
     """
 
     name = "fla"
-    decode_prefill_rows = 0
     conv_decode = staticmethod(torch_conv_decode)
+
+    def runs_as_decode(self, batch, rows):
+        return rows == 1
 
     def __init__(self) -> None:
         kda_ops = importlib.import_module("fla.ops.kda")
@@ -190,15 +197,20 @@ class TritonKDABackend:
     each sequence's states are read from and written to its slots inside the
     kernels, verify snapshots too.
     Prefill runs `prefill_backend` (fla's chunked kernels when importable), but for
-    short prompts: there the two decode kernels, looping over the rows, cost one
+    small prefills: there the two decode kernels, looping over the rows, cost one
     launch each per layer where fla's chunked KDA costs over ten, each with its
-    Python-side dispatch, and the GPU's time is the smaller share of either
-    (`benchmarks/bench_kda_prefill.py` measures where the chunked kernels win).
+    Python-side dispatch, and the GPU's time is the smaller share of either.
     Padded rows (g = 0, beta = 0) leave a state as it was, so the decode kernels
-    take a padded prefill batch as it is."""
+    take a padded prefill batch as it is. Their time grows with the rows (one
+    after another) and, once the programs outnumber what the GPU runs at once, with
+    the batch; fla's stays near its launch floor. The bounds below come from
+    `benchmarks/bench_kda_prefill.py` on an H100 at 4 heads of 32: 4.3x faster than
+    fla at 8 sequences of 256 rows, and no slower at 8 of 1024."""
 
     name = "triton"
-    decode_prefill_rows = 256
+    # The longest prefill and the most padded rows a step may have to run as decode.
+    max_decode_prefill_rows = 256
+    max_decode_prefill_tokens = 2048
 
     def __init__(self, prefill_backend: KDABackend) -> None:
         # Imported here: the kernel modules import triton, which may be absent.
@@ -208,6 +220,12 @@ class TritonKDABackend:
         self.prefill_backend = prefill_backend
         self._decode = kda_decode_in_pool
         self._conv = kda_conv_decode_in_pool
+
+    def runs_as_decode(self, batch, rows):
+        return rows == 1 or (
+            rows <= self.max_decode_prefill_rows
+            and batch * rows <= self.max_decode_prefill_tokens
+        )
 
     def conv_decode(self, mixed, weight, states, metadata):
         return self._conv(

@@ -145,6 +145,9 @@ def test_short_prefills_through_the_decode_kernels_equal_the_chunked_prefill():
         bind_caches(model)
         logits[choice] = [logits_of(model, chunk) for chunk in chunks]
     backend = select_kda_backend("cpu", "triton")
-    assert backend.decode_prefill_rows >= 7  # both chunks took the decode kernels
+    assert backend.runs_as_decode(2, 7)  # both chunks took the decode kernels
+    assert not backend.runs_as_decode(1, backend.max_decode_prefill_rows + 1)
+    assert not backend.runs_as_decode(64, backend.max_decode_prefill_rows)
+    assert backend.runs_as_decode(4096, 1)  # decode always
     for ours, reference in zip(logits["triton"], logits["torch"]):
         torch.testing.assert_close(ours, reference, rtol=1e-4, atol=1e-4)

@@ -242,12 +242,9 @@ class KimiDeltaAttention(nn.Module):
         batch, rows = mixed.shape[:2]
         ssm = StateSlots(self.ssm_state, slots, fresh)
         conv = StateSlots(self.conv_state, slots, fresh)
-        # Decode, verify and prefills the backend finds short enough run row by row
-        # in the state pools; longer prefills run its chunked prefill.
-        decode = (
-            rows <= max(1, self._backend.decode_prefill_rows)
-            or metadata.keeps_row_states
-        )
+        # Decode, verify and prefills the backend finds small enough run row by row
+        # in the state pools; larger prefills run its chunked prefill.
+        decode = metadata.keeps_row_states or self._backend.runs_as_decode(batch, rows)
         if metadata.keeps_row_states:
             self._check_snapshot_rows(rows)
             ssm = dataclasses.replace(ssm, snapshots=self.ssm_snapshots)
