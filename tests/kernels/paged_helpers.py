@@ -7,7 +7,6 @@ from atom.model_engine.batch import SeqWork
 from atom.model_engine.model_inputs import prepare_inputs
 from atom.model_ops.paged_cache import FP8_KV_DTYPE
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 BLOCK_SIZE, NUM_BLOCKS, TABLE_WIDTH = 4, 40, 12
 # Every sequence has cached rows (decode, verify); the longest splits its context.
 CONTEXTS = [5, 17, 30]

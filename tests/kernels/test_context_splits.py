@@ -5,12 +5,11 @@ import pytest
 import torch
 
 from atom.kernels import triton_available
+from tests.kernels.devices import DEVICES
 
 triton = pytest.importorskip("triton")
 tl = triton.language
 split_keys = pytest.importorskip("atom.kernels.context_splits").split_keys
-
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 @triton.jit

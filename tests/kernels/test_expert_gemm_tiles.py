@@ -8,8 +8,7 @@ import torch.nn.functional as F
 
 from atom.kernels import triton_available
 from atom.model_ops.grouped_experts import align_to_experts
-
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+from tests.kernels.devices import DEVICES
 
 
 def tile_choices():

@@ -20,8 +20,7 @@ from atom.model_ops.quantization.ptpc_fp8 import (
     quantize_rows,
 )
 from atom.model_ops.routed_experts import FusedExperts
-
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+from tests.kernels.devices import DEVICES
 
 
 def decode_variants(device: str) -> list[bool]:

@@ -5,8 +5,8 @@ import torch
 
 from atom.kernels import triton_available
 from atom.model_ops.activation import SiluAndMul, SiTUAndMul, SwigluOAIAndMul
+from tests.kernels.devices import DEVICES
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 ACTIVATIONS = [
     SiluAndMul(),
     SiTUAndMul(4.0, 25.0),

@@ -14,8 +14,7 @@ from atom.model_ops.kda_backend import (
     torch_conv_decode,
     torch_decode,
 )
-
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+from tests.kernels.devices import DEVICES
 
 
 def step_inputs(device, seqs, rows, heads, dim, value_dtype):

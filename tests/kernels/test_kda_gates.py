@@ -5,8 +5,8 @@ import torch
 
 from atom.kernels import triton_available
 from atom.model_ops.kda import kda_forget_gate
+from tests.kernels.devices import DEVICES
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 HEADS, DIM = 3, 24
 
 

@@ -6,8 +6,8 @@ import torch
 
 from atom.kernels import triton_available
 from atom.model_ops.grouped_experts import align_to_experts
+from tests.kernels.devices import DEVICES
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 SHAPES = [(1, 8, 32), (5, 3, 12), (37, 8, 32), (300, 2, 8), (4, 2, 130)]
 
 

@@ -5,8 +5,7 @@ import torch
 
 from atom.kernels import triton_available
 from atom.model_ops.grouped_experts import combine_expert_rows
-
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+from tests.kernels.devices import DEVICES
 
 
 @pytest.mark.kernels

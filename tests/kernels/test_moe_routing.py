@@ -5,8 +5,7 @@ import torch
 
 from atom.kernels import triton_available
 from atom.model_ops.moe_router import select_experts_reference
-
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+from tests.kernels.devices import DEVICES
 
 # (experts, top_k, groups, kept groups, scoring, bias, renormalize, scale)
 SETTINGS = [

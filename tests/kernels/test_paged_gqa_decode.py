@@ -18,9 +18,9 @@ from atom.model_ops.paged_attention import gqa_attention
 from atom.model_ops.paged_cache import gather_kv
 from atom.model_ops.visibility import sequence_key_ends, sequence_visibility
 from atom.utils.arithmetic import ceil_div
+from tests.kernels.devices import DEVICES
 from tests.kernels.paged_helpers import (
     BLOCK_SIZE,
-    DEVICES,
     TABLE_WIDTH,
     UNEVEN,
     half_dtype,

@@ -11,7 +11,8 @@ from atom.model_ops.attention_backend import (
     select_mla_backend,
 )
 from atom.model_ops.paged_cache import FP8_KV_DTYPE
-from tests.kernels.paged_helpers import BLOCK_SIZE, CONTEXTS, DEVICES, NUM_BLOCKS, step
+from tests.kernels.devices import DEVICES
+from tests.kernels.paged_helpers import BLOCK_SIZE, CONTEXTS, NUM_BLOCKS, step
 
 HEADS, NOPE, ROPE, RANK, V_DIM = 3, 8, 16, 32, 8
 

@@ -5,17 +5,11 @@ import torch
 
 from atom.kernels import triton_available
 from atom.model_ops.layernorm import rms_norm_reference
-
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-CASES = [
-    (device, dtype)
-    for device in DEVICES
-    for dtype in [torch.float32] + ([torch.bfloat16] if device == "cuda" else [])
-]
+from tests.kernels.devices import FLOAT_CASES
 
 
 @pytest.mark.kernels
-@pytest.mark.parametrize("device,dtype", CASES)
+@pytest.mark.parametrize("device,dtype", FLOAT_CASES)
 @pytest.mark.parametrize("weight_offset", [0.0, 1.0])
 def test_norm_and_add_then_norm_equal_the_reference(device, dtype, weight_offset):
     if not triton_available(device):

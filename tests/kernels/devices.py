@@ -1,0 +1,11 @@
+"""Where the kernel tests run: the CPU (Triton's interpreter) and, when present, CUDA."""
+
+import torch
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+# (device, dtype): fp32 everywhere, bf16 where the kernels run natively.
+FLOAT_CASES = [
+    (device, dtype)
+    for device in DEVICES
+    for dtype in [torch.float32] + ([torch.bfloat16] if device == "cuda" else [])
+]
