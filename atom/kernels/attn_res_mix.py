@@ -1,6 +1,7 @@
 """The AttnRes mix in Triton: one program per token, an online softmax over its blocks.
 
-The torch reference is `atom.model_ops.attn_res.attn_res_mix_reference`. torch spends
+The torch reference is `atom.model_ops.attn_res.attn_res_mix` (then, for the fused
+norm, `atom.model_ops.layernorm.rms_norm_reference`). torch spends
 about fifteen kernels on one mix (casts, the concatenation of bank and partial sum,
 square, mean, rsqrt, the scoring product, softmax, the weighted sum, the cast back);
 K3 mixes twice per layer, so in an eager prefill step those launches are a large
