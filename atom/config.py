@@ -120,6 +120,8 @@ class EngineLimits:
     num_state_checkpoints: int = 0
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    # Schedule step n + 1 before step n's tokens are on the host (run_ahead.py).
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         for name in (
@@ -251,6 +253,9 @@ class EngineSettings:
     # While sequences decode, a new prompt waits factor x the last prefill step
     # (model_engine/prefill_pacer.py); 0 admits it at once.
     scheduler_delay_factor: float = 0.0
+    # Overlap the host's work on one step with the device's on the next
+    # (model_engine/run_ahead.py); tp = pp = 1 without speculation or P/D.
+    async_scheduling: bool = False
     # Capture decode steps as CUDA graphs (CUDA only); True runs every step eagerly.
     enforce_eager: bool = False
     # Batch sizes to capture; None: the default ladder up to max_num_seqs.
@@ -350,6 +355,27 @@ class Config(EngineSettings):
         _ = self.parallel_config, self.node_layout
         self.limits = self._build_limits()
         self._validate_parallel(text)
+        self._check_async_scheduling()
+
+    def _check_async_scheduling(self) -> None:
+        """Async scheduling fills a step's inputs from the previous step's tokens on
+        the same device, and keeps one draft-free step ahead."""
+        if not self.async_scheduling:
+            return
+        conflicts = []
+        if self.parallel_config.world_size > 1:
+            conflicts.append(
+                f"tensor_parallel_size={self.tensor_parallel_size} and "
+                f"pipeline_parallel_size={self.pipeline_parallel_size} (it needs 1 and 1)"
+            )
+        if self.speculative_config is not None:
+            conflicts.append(f"speculative method {self.method!r}")
+        if self.kv_transfer is not None:
+            conflicts.append(f"kv_role {self.kv_role!r} (P/D)")
+        if conflicts:
+            raise ValueError(
+                "async_scheduling does not run with " + "; ".join(conflicts)
+            )
 
     def _resolve_kv_transfer(self) -> None:
         """The P/D role: kv_transfer_config's kv_role, which kv_role may repeat."""
@@ -436,6 +462,7 @@ class Config(EngineSettings):
             ),
             enable_prefix_caching=self.enable_prefix_caching,
             enable_chunked_prefill=self.enable_chunked_prefill,
+            async_scheduling=self.async_scheduling,
         )
 
     def _validate_parallel(self, text: HFConfig) -> None:

@@ -16,6 +16,12 @@ first size (issue 10's CPU target: tiny-kimi-k3 at batch 32 >= 12x batch 1):
     python benchmarks/bench_offline.py --model tiny-kimi-k3 --device cpu \
         --batch-sizes 1,32
 
+`--compare-async` adds a target-only run with `async_scheduling` after the plain one
+(pp1 x tp1), so the two compare within one run:
+
+    python benchmarks/bench_offline.py --device cuda --dtype bfloat16 \
+        --num-prompts 1 --output-len 256 --compare-async
+
 `--scaled-k3 H` builds a K3-layout checkpoint with hidden size H (same layer schedule,
 AttnRes, latent MoE and KDA/MLA mix as tiny-kimi-k3, widths scaled) into a temp folder.
 """
@@ -84,9 +90,15 @@ def sampling_params(args: argparse.Namespace, count: int) -> list[SamplingParams
 
 
 def run(
-    args: argparse.Namespace, model: str, tp: int, pp: int, spec: bool
+    args: argparse.Namespace,
+    model: str,
+    tp: int,
+    pp: int,
+    spec: bool,
+    run_ahead: bool = False,
 ) -> tuple[str, list[list[int]]]:
     kwargs = dict(
+        async_scheduling=run_ahead,
         tensor_parallel_size=tp,
         pipeline_parallel_size=pp,
         device=args.device,
@@ -131,6 +143,7 @@ def run(
             f"(per position: {per_position})"
         )
     label = f"pp{pp} x tp{tp} {'dspark' if spec else 'target-only'}"
+    label += " async" if run_ahead else ""
     line = f"{label}: {tokens} tokens in {elapsed:.2f} s = {tokens / elapsed:.1f} tok/s"
     return line + extra, [o["token_ids"] for o in outputs]
 
@@ -223,6 +236,11 @@ def main() -> None:
         "--batch-sizes",
         help="comma list: measure target-only batch scaling instead of layouts",
     )
+    parser.add_argument(
+        "--compare-async",
+        action="store_true",
+        help="also run target-only with async scheduling (pp1 x tp1 only)",
+    )
     args = parser.parse_args()
     model = args.model
     with tempfile.TemporaryDirectory() as tmp:
@@ -235,8 +253,13 @@ def main() -> None:
         reference = None
         for layout in args.layouts.split(","):
             pp, tp = (int(x) for x in layout.split("x"))
-            for spec in (False, True) if args.draft_model else (False,):
-                line, tokens = run(args, model, tp, pp, spec)
+            runs = [(False, False)]
+            if args.compare_async:
+                runs.append((False, True))
+            if args.draft_model:
+                runs.append((True, False))
+            for spec, run_ahead in runs:
+                line, tokens = run(args, model, tp, pp, spec, run_ahead)
                 if args.temperature > 0:  # draws differ with speculation: no ids
                     print(line, flush=True)
                     continue

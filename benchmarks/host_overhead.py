@@ -96,6 +96,7 @@ def instrument(engine: LLMEngine, timer: PhaseTimer) -> None:
     scheduler.postprocess = timer.wrap("post", scheduler.postprocess)
     runner.execute = timer.wrap("runner", runner.execute)
     runner._sample_and_draft = timer.wrap("sample", runner._sample_and_draft)
+    runner.finish = timer.wrap("sample", runner.finish)
     runner.model.forward = timer.wrap("forward", runner.model.forward)
     runner.model.compute_logits = timer.wrap("logits", runner.model.compute_logits)
     engine._output_of = timer.wrap("output", engine._output_of)

@@ -246,6 +246,13 @@ class EngineArgs(EngineSettings):
             "one prefill (0: start it at once)",
         )
         parser.add_argument(
+            "--async-scheduling",
+            action=argparse.BooleanOptionalAction,
+            default=defaults.async_scheduling,
+            help="schedule and prepare the next step while the device runs this "
+            "one (tp = pp = 1, without speculation or P/D)",
+        )
+        parser.add_argument(
             "--gpu-memory-utilization",
             type=float,
             default=defaults.gpu_memory_utilization,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from atom.model_engine.sequence import Sequence
 from atom.model_ops.token_logprob import TokenLogprob
 
 
@@ -26,6 +27,32 @@ class LogitAdjustWork:
     # The prompt's distinct ids; sent only for repetition_penalty != 1.
     prompt_token_ids: list[int] = field(default_factory=list)
     num_output_tokens: int = 0
+
+    @classmethod
+    def for_sequence(
+        cls, seq: Sequence, eos_token_ids: frozenset[int]
+    ) -> LogitAdjustWork:
+        """The settings and history the last stage adjusts seq's logits with; the
+        history travels only when a penalty needs it."""
+        sp = seq.sampling_params
+        banned = set(sp.stop_token_ids or ())
+        if not sp.ignore_eos:
+            banned |= eos_token_ids
+        counts_outputs = sp.frequency_penalty or sp.presence_penalty
+        repeats = sp.repetition_penalty != 1
+        return cls(
+            frequency_penalty=sp.frequency_penalty,
+            presence_penalty=sp.presence_penalty,
+            repetition_penalty=sp.repetition_penalty,
+            logit_bias=dict(sp.logit_bias or {}),
+            min_tokens=sp.min_tokens,
+            banned_until_min_tokens=sorted(banned) if sp.min_tokens else [],
+            output_token_ids=(
+                seq.output_token_ids if counts_outputs or repeats else []
+            ),
+            prompt_token_ids=seq.distinct_prompt_token_ids if repeats else [],
+            num_output_tokens=seq.num_output_tokens,
+        )
 
 
 @dataclass(kw_only=True)
@@ -62,6 +89,9 @@ class SeqWork:
     state_fork_src: int | None = None
     # Copy the KDA state of state_slot into this checkpoint slot AFTER the forward.
     state_save_dst: int | None = None
+    # Async scheduling (run_ahead.py): token_ids[0] is a placeholder for the token
+    # the previous batch samples for this sequence; the runner fills it in.
+    input_pending: bool = False
 
     @property
     def num_rows(self) -> int:

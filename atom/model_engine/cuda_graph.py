@@ -35,6 +35,7 @@ from atom.model_engine.model_inputs import (
     build_step,
     view_step,
 )
+from atom.model_engine.pending_tokens import InputFiller
 from atom.models.utils import IntermediateTensors
 from atom.utils.forward_context import ForwardContext, set_forward_context
 from atom.utils.graph_capture import capture_graph
@@ -58,6 +59,7 @@ class _Capture:
     # The static buffer every input of the capture is a view of, and its layout.
     packed: torch.Tensor
     layout: StepLayout
+    input_ids: torch.Tensor
     slot_mapping: torch.Tensor
     positions: torch.Tensor
     output: torch.Tensor | IntermediateTensors
@@ -157,7 +159,9 @@ class DecodeGraphs:
         if captured is None:
             return None
         graph, output = captured
-        return _Capture(graph, packed, layout, metadata.slot_mapping, positions, output)
+        return _Capture(
+            graph, packed, layout, ids, metadata.slot_mapping, positions, output
+        )
 
     def size_for(self, works: list[SeqWork]) -> tuple[int, int] | None:
         """The capture that runs this batch, or None (run it eagerly).
@@ -185,9 +189,11 @@ class DecodeGraphs:
         key: tuple[int, int],
         works: list[SeqWork],
         intermediate: IntermediateTensors | None,
+        fill: InputFiller | None = None,
     ) -> tuple[torch.Tensor | IntermediateTensors, torch.Tensor, torch.Tensor]:
         """Replay the capture `key` for `works`: (output rows, positions and slot
-        mapping of the real sequences' rows, which come first)."""
+        mapping of the real sequences' rows, which come first). `fill` writes the
+        pending inputs (pending_tokens.py) into the static input ids first."""
         size, query_len = key
         capture = self.captures[key]
         packed, layout = build_step(
@@ -199,6 +205,8 @@ class DecodeGraphs:
             )
         # Pinned, so the copy does not hold the host (model_inputs.to_device).
         capture.packed.copy_(packed.pin_memory(), non_blocking=True)
+        if fill is not None:
+            fill(capture.input_ids)
         num_rows = len(works) * query_len
         if intermediate is not None:
             static = self._payload(num_rows)

@@ -77,7 +77,11 @@ class LLMEngine:
         # Seeds of requests that come without one; Config.seed makes them repeatable.
         self.request_seeds = random.Random(config.seed)
         self.in_flight: deque[ScheduledBatch] = deque()
-        self.max_in_flight = config.pipeline_parallel_size
+        # A batch per stage in flight; async scheduling keeps the next step queued
+        # on the one device while the host finishes the current one (run_ahead.py).
+        self.max_in_flight = (
+            2 if config.async_scheduling else config.pipeline_parallel_size
+        )
         logger.info(
             "engine ready: %s, tp=%d pp=%d, %d KV blocks of %d tokens, "
             "speculation %s, %s",

@@ -3,8 +3,9 @@
 Stage order inside `execute`: commit the previous verify's KDA rows and fork prefix
 states -> receive the previous stage's payload -> forward -> save state checkpoints ->
 send to the next stage, or (last stage) write the draft's context KV, let the step
-sampler choose tokens and propose the next drafts, and return the one BatchOutput of
-this batch.
+sampler choose tokens and propose the next drafts, and return the launched step;
+`finish` turns it into the batch's one BatchOutput once its tokens are on the host
+(async scheduling launches the next batch in between).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -27,7 +29,12 @@ from atom.model_engine.cuda_graph import DecodeGraphs, capture_sizes
 from atom.model_engine.memory_ledger import log_memory_ledger, memory_ledger
 from atom.model_engine.memory_profile import kv_budget_bytes
 from atom.model_engine.model_inputs import prepare_inputs
-from atom.model_engine.step_sampler import StepSampler
+from atom.model_engine.pending_tokens import (
+    InputFiller,
+    SampledTokens,
+    pending_input_filler,
+)
+from atom.model_engine.step_sampler import SampledStep, StepSampler
 from atom.model_loader.build import building_on, load_target
 from atom.model_ops.paged_cache import resolve_kv_cache_dtype
 from atom.model_ops.sampling_metadata import SamplingMetadata
@@ -54,6 +61,14 @@ KDA_ROLLBACK_MARKER = "[KDA rollback]"
 
 # KV cache budget on CPU, where there is no device memory to measure.
 CPU_KV_BUDGET_BYTES = 1 << 30
+
+
+@dataclass
+class LaunchedStep:
+    """A batch whose tokens are chosen on the device but not yet on the host."""
+
+    batch: ScheduledBatch
+    sampled: SampledStep
 
 
 class ModelRunner:
@@ -83,6 +98,8 @@ class ModelRunner:
             self.drafter if self.drafter and self.drafter.will_propose else None
         )
         self.step_sampler = StepSampler(self.proposer)
+        # The last sampling batch's tokens, for inputs async scheduling left pending.
+        self.sampled: SampledTokens | None = None
         self.cache: CacheEngine | None = None
         self.graphs: DecodeGraphs | None = None
         self.use_graphs = self._can_capture_graphs()
@@ -242,7 +259,9 @@ class ModelRunner:
         return write
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> BatchOutput | None:
+    def execute(self, batch: ScheduledBatch) -> LaunchedStep | None:
+        """Run `batch` up to its sampling, without waiting for the device; on the
+        last stage, the launched step whose `finish` is the batch's BatchOutput."""
         self.cache.commit(
             [slot for slot, _ in batch.spec_commits],
             [rows for _, rows in batch.spec_commits],
@@ -262,7 +281,10 @@ class ModelRunner:
             payload = recv_tensor_dict(self.device, self._expected_keys(), into)
             taps_in = payload.pop(AUX_KEY, None)
             received = IntermediateTensors(payload)
-        out, positions, slot_mapping = self._forward(batch.work, received, graph_key)
+        fill = pending_input_filler(batch, self.sampled, self.device)
+        out, positions, slot_mapping = self._forward(
+            batch.work, received, graph_key, fill
+        )
         saves = [work for work in batch.work if work.state_save_dst is not None]
         self.cache.copy_states(
             [work.state_slot for work in saves], [work.state_save_dst for work in saves]
@@ -288,14 +310,18 @@ class ModelRunner:
         works: list[SeqWork],
         received: IntermediateTensors | None,
         graph_key: tuple[int, int] | None,
+        fill: InputFiller | None,
     ) -> tuple[torch.Tensor | IntermediateTensors, torch.Tensor, torch.Tensor]:
         """(stage output, positions, slot mapping) of the batch's rows: the captured
-        graph `graph_key` (DecodeGraphs.size_for) replays, or it runs eagerly."""
+        graph `graph_key` (DecodeGraphs.size_for) replays, or it runs eagerly;
+        `fill` writes the pending inputs first."""
         if graph_key is not None:
-            return self.graphs.run(graph_key, works, received)
+            return self.graphs.run(graph_key, works, received, fill)
         input_ids, positions, metadata = prepare_inputs(
             works, self.limits.block_size, self.device
         )
+        if fill is not None:
+            fill(input_ids)
         with set_forward_context(ForwardContext(metadata)):
             out = self.model(input_ids, positions, received)
         return out, positions, metadata.slot_mapping
@@ -316,10 +342,10 @@ class ModelRunner:
         slot_mapping: torch.Tensor,
         taps_in: torch.Tensor | None,
         context_written: bool,
-    ) -> BatchOutput | None:
+    ) -> LaunchedStep | None:
         """Last stage: write the draft's context for this forward's rows (unless
-        the replayed graph did); when the batch samples, choose each sampled
-        sequence's tokens and next drafts."""
+        the replayed graph did); when the batch samples, launch the choice of each
+        sampled sequence's tokens and next drafts."""
         num_tokens = positions.numel()
         if self.drafter is not None and not context_written:
             relayed = None
@@ -335,6 +361,12 @@ class ModelRunner:
             return None
         sampling = SamplingMetadata.from_works(batch.work, self.device)
         logits = self.model.compute_logits(hidden[sampling.logit_rows])
-        choices = self.step_sampler.step(logits, sampling)
-        self.step_sampler.attach_prompt_logprobs(batch.work, choices)
-        return BatchOutput(batch.batch_id, choices)
+        sampled = self.step_sampler.launch(logits, sampling)
+        self.sampled = SampledTokens.of(batch, sampled.emitted)
+        return LaunchedStep(batch, sampled)
+
+    def finish(self, launched: LaunchedStep) -> BatchOutput:
+        """The launched step's BatchOutput, once its tokens reach the host."""
+        choices = launched.sampled.choices()
+        self.step_sampler.attach_prompt_logprobs(launched.batch.work, choices)
+        return BatchOutput(launched.batch.batch_id, choices)

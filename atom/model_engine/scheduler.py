@@ -29,6 +29,7 @@ from atom.model_engine.batch import (
 )
 from atom.model_engine.block_manager import BlockManager
 from atom.model_engine.prefill_pacer import PrefillPacer
+from atom.model_engine.run_ahead import runs_ahead
 from atom.model_engine.sequence import Sequence, SequenceStatus
 from atom.model_engine.state_cache import StateCheckpointPool, StateSlotAllocator
 from atom.spec_decode.metrics import SpecDecodeStats
@@ -162,7 +163,7 @@ class Scheduler:
         self._pending_finished = []
         for work in works:
             if work.sample:
-                self._live[work.seq_id].in_flight_batch_id = batch.batch_id
+                self._live[work.seq_id].in_flight_batch_ids.append(batch.batch_id)
         return batch
 
     def _schedule_prefill(self) -> list[SeqWork]:
@@ -384,20 +385,31 @@ class Scheduler:
         budget = self.limits.max_num_batched_tokens
         works: list[SeqWork] = []
         scheduled: set[int] = set()
-        for seq in [s for s in self.running if s.num_uncomputed_tokens == 1]:
+        previous = self._next_batch_id - 1
+        for seq in list(self.running):  # _make_room may preempt
+            # Async scheduling: its input is the token the previous batch samples.
+            pending = runs_ahead(seq, self.limits, previous)
+            if seq.num_uncomputed_tokens != 1 and not pending:
+                continue
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted to make room for an earlier one
             num_drafts = self._num_drafts_to_verify(seq)
             if 1 + num_drafts > budget:
                 break
-            if not self._make_room(seq, num_drafts, scheduled):
+            if not self._make_room(seq, num_drafts + pending, scheduled):
                 continue
             start = seq.num_computed_tokens
             seq.num_computed_tokens += 1
-            rows = [seq.last_token] + seq.spec_token_ids[:num_drafts]
+            # A pending input is a placeholder the runner fills on the device.
+            last = 0 if pending else seq.last_token
+            rows = [last] + seq.spec_token_ids[:num_drafts]
             works.append(
                 self._work(
-                    seq, token_ids=rows, context_len=start, num_drafts=num_drafts
+                    seq,
+                    token_ids=rows,
+                    context_len=start,
+                    num_drafts=num_drafts,
+                    input_pending=pending,
                 )
             )
             scheduled.add(seq.seq_id)
@@ -419,10 +431,11 @@ class Scheduler:
         limit = min(self.limits.num_speculative_tokens, len(seq.spec_token_ids))
         return max(0, min(limit, room - 1))
 
-    def _make_room(self, seq: Sequence, num_drafts: int, taken: set[int]) -> bool:
-        """Blocks for the verify rows and the drafter's block rows, preempting the
-        latest admitted sequences if needed; False if seq itself was preempted."""
-        num_new = num_drafts + self.limits.num_speculative_tokens
+    def _make_room(self, seq: Sequence, num_rows: int, taken: set[int]) -> bool:
+        """Blocks for the rows after the last token (drafts to verify, a pending
+        token) and the drafter's block rows, preempting the latest admitted
+        sequences if needed; False if seq itself was preempted."""
+        num_new = num_rows + self.limits.num_speculative_tokens
         while not self.block_manager.can_append(seq, num_new):
             victims = [
                 s for s in self.running if s is not seq and s.seq_id not in taken
@@ -450,7 +463,7 @@ class Scheduler:
         self.state_slots.free(seq.state_slot)
         seq.state_slot = None
         seq.state_fork_src = None
-        seq.in_flight_batch_id = None
+        seq.in_flight_batch_ids = []
         self._pending_commits.pop(seq.seq_id, None)
 
     def _work(self, seq: Sequence, **rows) -> SeqWork:
@@ -476,33 +489,12 @@ class Scheduler:
             top_p=sp.top_p,
             seed=sp.seed,
             logit_adjust=(
-                self._logit_adjust(seq) if samples and sp.adjusts_logits else None
+                LogitAdjustWork.for_sequence(seq, self.eos_token_ids)
+                if samples and sp.adjusts_logits
+                else None
             ),
             logprobs=sp.logprobs if samples else None,
             **rows,
-        )
-
-    def _logit_adjust(self, seq: Sequence) -> LogitAdjustWork:
-        """The settings and history the last stage adjusts seq's logits with; the
-        history travels only when a penalty needs it."""
-        sp = seq.sampling_params
-        banned = set(sp.stop_token_ids or ())
-        if not sp.ignore_eos:
-            banned |= self.eos_token_ids
-        counts_outputs = sp.frequency_penalty or sp.presence_penalty
-        repeats = sp.repetition_penalty != 1
-        return LogitAdjustWork(
-            frequency_penalty=sp.frequency_penalty,
-            presence_penalty=sp.presence_penalty,
-            repetition_penalty=sp.repetition_penalty,
-            logit_bias=dict(sp.logit_bias or {}),
-            min_tokens=sp.min_tokens,
-            banned_until_min_tokens=sorted(banned) if sp.min_tokens else [],
-            output_token_ids=(
-                seq.output_token_ids if counts_outputs or repeats else []
-            ),
-            prompt_token_ids=seq.distinct_prompt_token_ids if repeats else [],
-            num_output_tokens=seq.num_output_tokens,
         )
 
     # ---- results ----
@@ -524,9 +516,9 @@ class Scheduler:
         for work, choice in zip(works, output.choices):
             accepted = choice.num_accepted
             seq = self._live.get(work.seq_id)
-            if seq is None or seq.in_flight_batch_id != batch.batch_id:
+            if seq is None or batch.batch_id not in seq.in_flight_batch_ids:
                 continue  # aborted or preempted while the batch ran
-            seq.in_flight_batch_id = None
+            seq.in_flight_batch_ids.remove(batch.batch_id)
             useful = useful_drafts(work, seq)
             if useful:
                 # Counted before stop truncation: it measures the drafter.
@@ -581,7 +573,7 @@ class Scheduler:
             return False
         seq.kv_transfer_output = params
         self.running.remove(seq)
-        seq.in_flight_batch_id = None
+        seq.in_flight_batch_ids = []
         self._pending_commits.pop(seq.seq_id, None)
         self.held[seq.seq_id] = (seq, self.connector.lease_deadline())
         return True

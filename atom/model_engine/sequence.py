@@ -77,8 +77,9 @@ class Sequence:
         # With SamplingParams.prompt_logprobs, once the prefill delivered them: one
         # per prompt token, the first None.
         self.prompt_logprobs: list[TokenLogprob | None] | None = None
-        # The batch whose output this sequence waits for (None when none).
-        self.in_flight_batch_id: int | None = None
+        # The batches whose output this sequence waits for, oldest first: one, or
+        # two when async scheduling runs it ahead of its sampled token.
+        self.in_flight_batch_ids: list[int] = []
         # P/D (docs/pd.md): what the request asked (`do_remote_decode` on a
         # producer, the producer's reply on a consumer), and a producer's reply.
         self.kv_transfer_params: dict | None = kv_transfer_params

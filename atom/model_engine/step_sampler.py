@@ -3,8 +3,9 @@
 `StepSampler.step` takes the scored logits and the step's `SamplingMetadata` and
 does, on the device and for all sampled sequences at once: plain sampling or draft
 verification, the drafter's next proposal, and storing the draft distributions
-that temperature > 0 requests verify next. Then one device-to-host copy brings
-back every sequence's tokens, accepted count and drafts.
+that temperature > 0 requests verify next. Later (async scheduling launches the
+next step first), `SampledStep.choices` brings back every sequence's tokens,
+accepted count and drafts in one device-to-host copy.
 
 Every TP rank of the last stage runs this on identical logits; the counter-based
 uniforms depend only on (seed, position, stream), so all ranks pick the same
@@ -14,12 +15,13 @@ tokens without a broadcast.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from atom.model_engine.batch import SeqWork, TokenChoice
-from atom.model_ops.host_copy import host_to_device
+from atom.model_ops.host_copy import HostFetch, host_to_device
 from atom.model_ops.logprobs import prompt_token_logprobs
 from atom.model_ops.rejection_sampler import verify_drafts
 from atom.model_ops.sampler import sample_tokens
@@ -103,10 +105,9 @@ class StepSampler:
             if work.prompt_logprobs is not None:
                 choice.prompt_logprobs = self.prompt_logprobs.pop(work.seq_id, [])
 
-    def step(
-        self, logits: torch.Tensor, sampling: SamplingMetadata
-    ) -> list[TokenChoice]:
-        """One TokenChoice per sampled sequence, in batch order.
+    def launch(self, logits: torch.Tensor, sampling: SamplingMetadata) -> SampledStep:
+        """The step's choices, on the device; `SampledStep.choices` brings them to
+        the host (one TokenChoice per sampled sequence, in batch order).
 
         logits: [R, V], the rows `sampling.logit_rows` selected, in that order.
         """
@@ -142,7 +143,16 @@ class StepSampler:
                 anchors, sampling.positions + accepted, spec.block_tables, sampling
             )
             self.store_draft_probs(sampling, drafts)
-        return self._to_host(sampling, emitted, accepted, drafts, logprobs)
+        parts = [accepted.unsqueeze(1), emitted]
+        if drafts is not None:
+            parts.append(drafts.ids)
+        fetched = [torch.cat(parts, dim=1)]
+        if logprobs is not None:
+            chosen, top_values, top_ids = logprobs
+            fetched += [torch.cat([chosen.unsqueeze(2), top_values], dim=2), top_ids]
+        # The step's one device-to-host copy (two more only for logprobs), started
+        # now and read by SampledStep.choices.
+        return SampledStep(sampling, emitted, HostFetch(fetched))
 
     def store_draft_probs(
         self, sampling: SamplingMetadata, drafts: DraftOutput
@@ -185,28 +195,28 @@ class StepSampler:
             rows.append(stored[:width])
         return torch.stack(rows)
 
-    @staticmethod
-    def _to_host(
-        sampling: SamplingMetadata,
-        emitted: torch.Tensor,
-        accepted: torch.Tensor,
-        drafts: DraftOutput | None,
-        logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
-    ) -> list[TokenChoice]:
-        parts = [accepted.unsqueeze(1), emitted]
-        if drafts is not None:
-            parts.append(drafts.ids)
-        # The step's one device-to-host copy (two more only for logprobs).
-        rows = torch.cat(parts, dim=1).tolist()
-        width = emitted.shape[1]
+
+@dataclass
+class SampledStep:
+    """One step's choices while they are still on the device."""
+
+    sampling: SamplingMetadata
+    # [S, W] emitted tokens (W = 1 without drafts).
+    emitted: torch.Tensor
+    # [S, 1 + W + drafts] rows of (accepted count, emitted, next drafts); then,
+    # with logprobs, [P, W, 1 + top] values (the chosen token's first) and ids.
+    fetch: HostFetch
+
+    def choices(self) -> list[TokenChoice]:
+        """One TokenChoice per sampled sequence, in batch order: the step's sync."""
+        fetched = [t.tolist() for t in self.fetch.get()]
+        sampling, width = self.sampling, self.emitted.shape[1]
         choices = [
             TokenChoice(seq_id, row[1 : 2 + row[0]], row[0], row[1 + width :])
-            for seq_id, row in zip(sampling.seq_ids, rows)
+            for seq_id, row in zip(sampling.seq_ids, fetched[0])
         ]
-        if logprobs is not None:
-            chosen, top_values, top_ids = logprobs
-            values = torch.cat([chosen.unsqueeze(2), top_values], dim=2).tolist()
-            ids = top_ids.tolist()
+        if len(fetched) > 1:
+            values, ids = fetched[1], fetched[2]
             wanted = sampling.logprobs
             for p, (row, num_top) in enumerate(
                 zip(wanted.rows_host, wanted.num_top_host)

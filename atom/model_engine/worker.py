@@ -24,6 +24,7 @@ import signal
 import threading
 import time
 import traceback
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing import connection
@@ -47,7 +48,7 @@ from atom.distributed.parallel_state import (
 from atom.distributed.rank_process import die_with_parent, free_port
 from atom.kv_transfer.rank_calls import attach_kv_connector
 from atom.model_engine.batch import BatchOutput, ScheduledBatch
-from atom.model_engine.model_runner import ModelRunner
+from atom.model_engine.model_runner import LaunchedStep, ModelRunner
 from atom.model_loader.model_fingerprint import model_fingerprint
 from atom.models.utils import language_model_of
 from atom.utils.log_format import configure_logging
@@ -181,9 +182,11 @@ def worker_main(
             if callable(task):
                 channel.put(("call", rank, task(runner)))
                 continue
-            output = runner.execute(task)
-            if output is not None and reports:
-                channel.put(("output", output))
+            launched = runner.execute(task)
+            if launched is not None:
+                output = runner.finish(launched)
+                if reports:
+                    channel.put(("output", output))
     except NodeGone as gone:  # its node's supervisor says why the node ends
         logger.error("rank %d stops: %s", rank, gone)
         raise SystemExit(1) from None
@@ -432,15 +435,16 @@ class InProcessWorker:
             # OpenMP threads spinning on them cost far more than they parallelise.
             torch.set_num_threads(1)
         self.runner, self.info = start_runner(config, device)
-        self.outputs: list[BatchOutput] = []
+        # Launched steps, oldest first; finishing one waits for its tokens only.
+        self.launched: deque[LaunchedStep] = deque()
 
     def submit(self, batch: ScheduledBatch) -> None:
-        output = self.runner.execute(batch)
-        if output is not None:
-            self.outputs.append(output)
+        launched = self.runner.execute(batch)
+        if launched is not None:
+            self.launched.append(launched)
 
     def receive_output(self) -> BatchOutput:
-        return self.outputs.pop(0)
+        return self.runner.finish(self.launched.popleft())
 
     def call(self, fn: Callable[[ModelRunner], Any]) -> list[Any]:
         return [fn(self.runner)]
@@ -448,7 +452,7 @@ class InProcessWorker:
     def close(self) -> None:
         """Give back what the runner took on the device (weights, caches, graph
         pools), so another engine in this process has the memory."""
-        self.outputs.clear()
+        self.launched.clear()
         if self.runner is None:
             return
         device = self.runner.device

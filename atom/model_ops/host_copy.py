@@ -1,4 +1,4 @@
-"""Host lists to device tensors without waiting for the device."""
+"""Copies between host and device that never wait for the device's other work."""
 
 from __future__ import annotations
 
@@ -41,3 +41,27 @@ def hosts_to_device(
         for i, part in zip(members, parts):
             placed[i] = part.view(tensors[i].shape)
     return placed
+
+
+class HostFetch:
+    """Device tensors copied to the host without waiting: `get` waits for these
+    copies only, not for work queued on the stream after them (async scheduling
+    queues the next forward before reading a step's tokens)."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        self._event = None
+        if all(t.device.type == "cpu" for t in tensors):
+            self._host = list(tensors)
+            return
+        self._host = [
+            torch.empty_like(t, device="cpu", pin_memory=True) for t in tensors
+        ]
+        for host, tensor in zip(self._host, tensors):
+            host.copy_(tensor, non_blocking=True)
+        self._event = torch.cuda.Event()
+        self._event.record()
+
+    def get(self) -> list[torch.Tensor]:
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host

@@ -54,6 +54,10 @@ class ToyRunner:
         self.hybrid = sched.has_recurrent_state
         self.rng = random.Random(seed)
         self.num_forks = 0
+        # (batch id, seq id -> token) of the last sampling batch: the inputs that
+        # async scheduling leaves pending, and how many it did.
+        self.sampled: tuple[int, dict[int, int]] = (-1, {})
+        self.num_pending_inputs = 0
 
     def _slot(self, block_table: list[int], pos: int) -> int:
         return block_table[pos // BLOCK] * BLOCK + pos % BLOCK
@@ -71,7 +75,13 @@ class ToyRunner:
         for work in batch.work:
             state = self.state[work.state_slot]
             targets, row_states = [], []
-            for i, token in enumerate(work.token_ids):
+            rows = list(work.token_ids)
+            if work.input_pending:
+                sampled_in, tokens = self.sampled
+                assert sampled_in == batch.batch_id - 1, "pending input of an old batch"
+                rows[0] = tokens[work.seq_id]
+                self.num_pending_inputs += 1
+            for i, token in enumerate(rows):
                 pos = work.context_len + i
                 self.kv[self._slot(work.block_table, pos)] = token
                 prefix = tuple(
@@ -102,6 +112,7 @@ class ToyRunner:
                 self.state[work.state_save_dst] = self.state[work.state_slot]
         if not choices:
             return None
+        self.sampled = (batch.batch_id, {c.seq_id: c.token_ids[-1] for c in choices})
         return BatchOutput(batch.batch_id, choices)
 
     def _propose(self, committed: tuple[int, ...], block_table: list[int]):
@@ -157,17 +168,22 @@ def simulate(sched: Scheduler, runner: ToyRunner, requests, depth: int):
 
 
 @pytest.mark.parametrize(
-    "num_drafts, hybrid, depth, num_blocks",
+    "num_drafts, hybrid, depth, num_blocks, run_ahead",
     [
-        (0, False, 1, 64),
-        (0, False, 2, 16),
-        (3, False, 1, 16),
-        (3, True, 2, 64),
-        (0, True, 1, 16),
-        (2, True, 2, 16),
+        (0, False, 1, 64, False),
+        (0, False, 2, 16, False),
+        (3, False, 1, 16, False),
+        (3, True, 2, 64, False),
+        (0, True, 1, 16, False),
+        (2, True, 2, 16, False),
+        # Async scheduling: two batches in flight on one "device".
+        (0, False, 2, 64, True),
+        (0, True, 2, 16, True),
     ],
 )
-def test_generation_matches_greedy_reference(num_drafts, hybrid, depth, num_blocks):
+def test_generation_matches_greedy_reference(
+    num_drafts, hybrid, depth, num_blocks, run_ahead
+):
     max_model_len = 40
     limits = EngineLimits(
         max_num_seqs=4,
@@ -176,6 +192,7 @@ def test_generation_matches_greedy_reference(num_drafts, hybrid, depth, num_bloc
         block_size=BLOCK,
         num_speculative_tokens=num_drafts,
         num_state_checkpoints=3,
+        async_scheduling=run_ahead,
     )
     sched = Scheduler(limits, num_blocks, has_recurrent_state=hybrid, eos_token_id=EOS)
     runner = ToyRunner(sched, num_drafts, seed=num_blocks + depth)
@@ -194,6 +211,7 @@ def test_generation_matches_greedy_reference(num_drafts, hybrid, depth, num_bloc
         assert stats["preemptions"] > 0
     if hybrid:
         assert runner.num_forks > 0
+    assert (runner.num_pending_inputs > 0) == run_ahead
     if num_drafts:
         spec = sched.spec_stats
         assert 0 < spec.total_accepted_tokens < spec.total_draft_tokens

@@ -62,7 +62,7 @@ def test_a_plain_step_samples_every_sequence_once():
     works = [work(0, [5, 6, 7], 0), work(1, [3], 9, temperature=0)]
     sampling = SamplingMetadata.from_works(works, "cpu")
     logits = scored_logits(sampling, 4)
-    choices = StepSampler().step(logits, sampling)
+    choices = StepSampler().launch(logits, sampling).choices()
     expected = sample_tokens(logits, sampling).tolist()
     assert [c.seq_id for c in choices] == [0, 1]
     assert [c.token_ids for c in choices] == [[t] for t in expected]
@@ -81,7 +81,7 @@ def test_verification_uses_the_stored_draft_distributions():
     logits = scored_logits(sampling, 6)
     sampler = StepSampler()
     with pytest.raises(RuntimeError, match="sequence 0 verifies 2 sampled drafts"):
-        sampler.step(logits, sampling)
+        sampler.launch(logits, sampling).choices()
 
     q = torch.softmax(torch.randn(3, 3, VOCAB, generator=torch.Generator()), -1)
     proposed_by = SamplingMetadata.build([0.8, 0.8, 0.0], seeds=[1, 1, None])
@@ -89,7 +89,7 @@ def test_verification_uses_the_stored_draft_distributions():
     sampler.store_draft_probs(proposed_by, DraftOutput(ids, q))
     # Only temperature > 0 requests keep their q.
     assert sorted(sampler.draft_probs) == [0, 1]
-    choices = sampler.step(logits, sampling)
+    choices = sampler.launch(logits, sampling).choices()
 
     spec = sampling.spec
     unused = torch.zeros(2, VOCAB)
@@ -114,10 +114,10 @@ def test_a_sequence_chooses_the_same_alone_and_in_a_batch():
     all_logits = scored_logits(together, 6)
     for seq, row in zip(together.seq_ids, all_logits):
         logits_of[seq] = row
-    in_batch = StepSampler().step(all_logits, together)
+    in_batch = StepSampler().launch(all_logits, together).choices()
     for one, choice in zip(batch, in_batch):
         alone = SamplingMetadata.from_works([one], "cpu")
-        (single,) = StepSampler().step(logits_of[one.seq_id][None], alone)
+        (single,) = StepSampler().launch(logits_of[one.seq_id][None], alone).choices()
         assert single == choice
 
 

@@ -140,7 +140,7 @@ def test_a_step_copies_to_the_host_once(logprobs, copies):
     logits = torch.randn(sampling.logit_rows.numel(), VOCAB, device="cuda")
     with sync_debug("warn"), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        choices = sampler.step(logits, sampling)
+        choices = sampler.launch(logits, sampling).choices()
     synchronising = [w for w in caught if "synchroniz" in str(w.message)]
     assert len(synchronising) == copies, [str(w.message) for w in synchronising]
     assert len(choices) == SEQS

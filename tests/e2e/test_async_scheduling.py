@@ -1,0 +1,122 @@
+"""Async scheduling (model_engine/run_ahead.py) gives the synchronous loop's outputs.
+
+Two engines on the trained tiny K3, one with `async_scheduling`, serve the same
+requests arriving at the same steps: greedy and seeded sampling, max_tokens of one,
+a stop string, EOS, output and prompt logprobs and a repetition penalty (whose
+sequences wait for their tokens instead of running ahead). Token ids, texts and
+finish reasons must be equal, logprobs equal within float tolerance, and the async
+engine must actually have run sequences ahead. On CUDA the same runs replay graphs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from atom import LLMEngine, SamplingParams
+from atom.config import Config
+from tests.e2e.engine_helpers import ENGINE_SETTINGS
+
+pytestmark = pytest.mark.usefixtures("single_thread_torch")
+
+MODEL = "tiny-kimi-k3"
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def requests(stop: str | None) -> list[tuple[int, str, SamplingParams]]:
+    """(arrival step, prompt, params): half arrive while the others decode."""
+    greedy = dict(temperature=0, max_tokens=12)
+    return [
+        (0, "hello world", SamplingParams(**greedy, ignore_eos=True)),
+        (0, "the cat sat", SamplingParams(temperature=0.8, top_p=0.9, seed=3)),
+        (0, "one two", SamplingParams(**greedy, logprobs=2)),
+        (1, "a b c", SamplingParams(temperature=0, max_tokens=1)),
+        (2, "hello world", SamplingParams(**greedy, stop=[stop] if stop else None)),
+        (3, "the cat sat", SamplingParams(**greedy, repetition_penalty=1.3)),
+        (5, "one two", SamplingParams(**greedy, prompt_logprobs=1)),
+        (5, "red green", SamplingParams(temperature=1.0, max_tokens=9)),
+    ]
+
+
+def serve(engine: LLMEngine, stop: str | None) -> tuple[dict, int]:
+    """({request id: final output}, pending inputs the engine sent)."""
+    pending = 0
+    submit = engine.workers.submit
+
+    def counting_submit(batch) -> None:
+        nonlocal pending
+        pending += sum(work.input_pending for work in batch.work)
+        submit(batch)
+
+    engine.workers.submit = counting_submit
+    arrivals = requests(stop)
+    done, step = {}, 0
+    while arrivals or engine.has_unfinished_requests():
+        while arrivals and arrivals[0][0] <= step:
+            _, prompt, params = arrivals.pop(0)
+            engine.add_request(prompt, params, request_id=f"r{len(arrivals)}")
+        for out in engine.step():
+            assert out.error is None, out.error
+            if out.finished:
+                done[out.request_id] = out
+        step += 1
+    engine.workers.submit = submit
+    return done, pending
+
+
+def assert_same_logprobs(a, b) -> None:
+    assert (a is None) == (b is None)
+    for x, y in zip(a or [], b or []):
+        if x is None or y is None:
+            assert x is y
+            continue
+        assert x.token_id == y.token_id
+        assert x.logprob == pytest.approx(y.logprob, abs=1e-4)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_async_scheduling_gives_the_synchronous_outputs(device):
+    settings = dict(ENGINE_SETTINGS, device=device)
+    if device == "cuda":
+        settings |= dict(dtype="float32", cudagraph_capture_sizes=[1, 2, 4, 8])
+    # A stop string the first greedy request meets after a few tokens.
+    probe = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outputs = []
+    for flag in (False, True):
+        engine = LLMEngine(MODEL, async_scheduling=flag, **settings)
+        try:
+            text = engine.generate("hello world", probe)[0]["text"]
+            outputs.append(serve(engine, text[4:6] or None))
+        finally:
+            engine.close()
+    (expected, none_pending), (got, pending) = outputs
+    stop = text[4:6] or None
+    assert none_pending == 0
+    assert pending > 0, "no sequence ran ahead of its token"
+    assert sorted(got) == sorted(expected)
+    for request_id, want in expected.items():
+        out = got[request_id]
+        assert out.output_token_ids == want.output_token_ids, request_id
+        assert out.text == want.text
+        assert out.finish_reason == want.finish_reason
+        assert_same_logprobs(out.logprobs, want.logprobs)
+        assert_same_logprobs(out.prompt_logprobs, want.prompt_logprobs)
+    reasons = {out.finish_reason for out in got.values()}
+    assert "length" in reasons and ("stop" in reasons or stop is None)
+
+
+@pytest.mark.parametrize(
+    "setting, named",
+    [
+        (dict(tensor_parallel_size=2), "tensor_parallel_size=2"),
+        (dict(pipeline_parallel_size=2), "pipeline_parallel_size=2"),
+        (
+            dict(method="dspark", draft_model="tiny-kimi-k3-dspark"),
+            "speculative method 'dspark'",
+        ),
+    ],
+)
+def test_async_scheduling_refuses_what_it_cannot_run(setting, named):
+    with pytest.raises(ValueError, match="async_scheduling does not run with") as err:
+        Config(model=MODEL, device="cpu", async_scheduling=True, **setting)
+    assert named in str(err.value)
