@@ -54,7 +54,7 @@ class HostFetch:
             self._host = list(tensors)
             return
         self._host = [
-            torch.empty_like(t, device="cpu", pin_memory=True) for t in tensors
+            torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors
         ]
         for host, tensor in zip(self._host, tensors):
             host.copy_(tensor, non_blocking=True)
