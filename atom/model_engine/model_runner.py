@@ -310,7 +310,7 @@ class ModelRunner:
         works: list[SeqWork],
         received: IntermediateTensors | None,
         graph_key: tuple[int, int] | None,
-        fill: InputFiller | None,
+        fill: InputFiller | None = None,
     ) -> tuple[torch.Tensor | IntermediateTensors, torch.Tensor, torch.Tensor]:
         """(stage output, positions, slot mapping) of the batch's rows: the captured
         graph `graph_key` (DecodeGraphs.size_for) replays, or it runs eagerly;
