@@ -30,10 +30,16 @@ def _prompts() -> list[list[int]]:
     ]
 
 
-def generate(model: str, pp: int, num_blocks: int | None) -> tuple[list, dict]:
+def generate(
+    model: str, pp: int, num_blocks: int | None, run_ahead: bool = False
+) -> tuple[list, dict]:
     settings = {**ENGINE_SETTINGS, "max_model_len": MAX_MODEL_LEN}
     engine = LLMEngine(
-        model, pipeline_parallel_size=pp, num_kvcache_blocks=num_blocks, **settings
+        model,
+        pipeline_parallel_size=pp,
+        num_kvcache_blocks=num_blocks,
+        async_scheduling=run_ahead,
+        **settings,
     )
     try:
         outs = engine.generate(_prompts(), GREEDY)
@@ -42,10 +48,10 @@ def generate(model: str, pp: int, num_blocks: int | None) -> tuple[list, dict]:
         engine.close()
 
 
-def check_preemption(model: str, pp: int) -> None:
+def check_preemption(model: str, pp: int, run_ahead: bool = False) -> None:
     roomy, roomy_stats = generate(model, 1, None)
     assert roomy_stats["preemptions"] == 0
-    tight, stats = generate(model, pp, TINY_CACHE_BLOCKS)
+    tight, stats = generate(model, pp, TINY_CACHE_BLOCKS, run_ahead)
     assert stats["kv_cache_blocks_total"] == TINY_CACHE_BLOCKS
     assert stats["preemptions"] > 0, "the tiny cache never preempted"
     for i, (got, want) in enumerate(zip(tight, roomy)):
@@ -61,3 +67,10 @@ def test_preemption_keeps_greedy_tokens(model):
 def test_preemption_with_batches_in_flight_keeps_greedy_tokens():
     """Under pp2 a preempted request may still have a batch in flight."""
     check_preemption("tiny-kimi-k3", 2)
+
+
+def test_preemption_under_async_scheduling_keeps_greedy_tokens():
+    """A preempted sequence may have a run-ahead row in flight, writing blocks and
+    a state slot that the scheduler has already handed on (model_engine/run_ahead.py).
+    """
+    check_preemption("tiny-kimi-k3", 1, run_ahead=True)
