@@ -362,7 +362,7 @@ class ModelRunner:
         sampling = SamplingMetadata.from_works(batch.work, self.device)
         logits = self.model.compute_logits(hidden[sampling.logit_rows])
         sampled = self.step_sampler.launch(logits, sampling)
-        self.sampled = SampledTokens.of(batch, sampled.emitted)
+        self.sampled = SampledTokens(batch, sampled.emitted)
         return LaunchedStep(batch, sampled)
 
     def finish(self, launched: LaunchedStep) -> BatchOutput:

@@ -22,19 +22,13 @@ InputFiller = Callable[[torch.Tensor], None]
 
 @dataclass(frozen=True)
 class SampledTokens:
-    """The tokens one batch sampled, on the device: row `rows[seq_id]` of `tokens`
-    is that sequence's next input (its one emitted token; async scheduling runs
-    without drafts)."""
+    """The tokens one batch sampled, on the device: the step sampler's emitted
+    tokens [S, W], one row per sampled sequence in batch order, whose first column
+    is that sequence's next input (async scheduling runs without drafts). Kept as
+    given: only a batch with pending inputs looks its rows up."""
 
-    batch_id: int
-    rows: dict[int, int]
-    tokens: torch.Tensor
-
-    @classmethod
-    def of(cls, batch: ScheduledBatch, emitted: torch.Tensor) -> SampledTokens:
-        """From the step sampler's emitted tokens [S, W] of `batch`."""
-        rows = {seq_id: row for row, seq_id in enumerate(batch.sample_seq_ids)}
-        return cls(batch.batch_id, rows, emitted[:, 0])
+    batch: ScheduledBatch
+    emitted: torch.Tensor
 
 
 def pending_input_filler(
@@ -43,19 +37,23 @@ def pending_input_filler(
     """What writes the pending inputs of `batch` into its input ids on the device;
     None when it has none."""
     targets, sources = [], []
+    rows: dict[int, int] | None = None
     row = 0
     for work in batch.work:
         if work.input_pending:
-            if previous is None or previous.batch_id != batch.batch_id - 1:
+            if previous is None or previous.batch.batch_id != batch.batch_id - 1:
                 raise RuntimeError(
                     f"batch {batch.batch_id} takes sequence {work.seq_id}'s input "
-                    "from the batch before it, which sampled nothing here"
+                    "from the batch before it, which sampled no tokens"
                 )
-            source = previous.rows.get(work.seq_id)
+            if rows is None:
+                seq_ids = previous.batch.sample_seq_ids
+                rows = {seq_id: i for i, seq_id in enumerate(seq_ids)}
+            source = rows.get(work.seq_id)
             if source is None:
                 raise RuntimeError(
                     f"batch {batch.batch_id} takes sequence {work.seq_id}'s input "
-                    f"from batch {previous.batch_id}, which did not sample it"
+                    f"from batch {previous.batch.batch_id}, which did not sample it"
                 )
             targets.append(row)
             sources.append(source)
@@ -63,7 +61,7 @@ def pending_input_filler(
     if not targets:
         return None
     index = host_to_device(targets + sources, torch.long, device).view(2, -1)
-    tokens = previous.tokens
+    tokens = previous.emitted[:, 0]
 
     def fill(input_ids: torch.Tensor) -> None:
         input_ids.index_copy_(0, index[0], tokens.index_select(0, index[1]))

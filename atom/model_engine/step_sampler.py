@@ -1,6 +1,6 @@
 """One step's token choice on the last stage: sample or verify, then draft.
 
-`StepSampler.step` takes the scored logits and the step's `SamplingMetadata` and
+`StepSampler.launch` takes the scored logits and the step's `SamplingMetadata` and
 does, on the device and for all sampled sequences at once: plain sampling or draft
 verification, the drafter's next proposal, and storing the draft distributions
 that temperature > 0 requests verify next. Later (async scheduling launches the
