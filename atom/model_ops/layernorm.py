@@ -24,7 +24,8 @@ def rms_norm_reference(
     return (xf * (weight.float() + weight_offset)).to(x.dtype)
 
 
-def _use_kernel(x: torch.Tensor) -> bool:
+def use_norm_kernel(x: torch.Tensor) -> bool:
+    """Whether a norm of x runs as a Triton kernel (CUDA, no autograd)."""
     return _HAS_TRITON and x.is_cuda and not torch.is_grad_enabled()
 
 
@@ -32,7 +33,7 @@ def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, weight_offset: float = 0.0
 ) -> torch.Tensor:
     """x̂ * (w + weight_offset) in x.dtype, x̂ = x / rms(x) over the last dim."""
-    if _use_kernel(x):
+    if use_norm_kernel(x):
         from atom.kernels.rms_norm import rms_norm_triton
 
         return rms_norm_triton(x, weight, eps, weight_offset)
@@ -48,7 +49,7 @@ def add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual): a decoder layer's add, then norm,
     as one kernel on CUDA."""
-    if _use_kernel(x):
+    if use_norm_kernel(x):
         from atom.kernels.rms_norm import rms_norm_triton
 
         return rms_norm_triton(x, weight, eps, weight_offset, residual=residual)

@@ -1,4 +1,5 @@
-"""Rotary position embedding, plain or YaRN-scaled (DeepSeek convention)."""
+"""Rotary position embedding, plain or YaRN-scaled (DeepSeek convention), and the
+per-head norm-then-rotate of attention with q/k norms."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import math
 
 import torch
 from torch import nn
+
+from atom.model_ops.layernorm import RMSNorm, use_norm_kernel
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -97,3 +100,30 @@ class RotaryEmbedding(nn.Module):
             out = torch.cat((ra, rb), dim=-1)
         out = out.squeeze(-2) if squeeze else out
         return out.to(x.dtype)
+
+
+def norm_and_rotate(
+    x: torch.Tensor, norm: RMSNorm, rotary: RotaryEmbedding, positions: torch.Tensor
+) -> torch.Tensor:
+    """rotary on the first `rotary.rotary_dim` channels of norm(x), the others
+    passed through: x [N, heads, head_dim], positions [N]. On CUDA one Triton kernel
+    (`kernels/head_norm_rope.py`) for the NeoX pairing."""
+    if use_norm_kernel(x) and not rotary.interleaved:
+        from atom.kernels.head_norm_rope import head_norm_rope_triton
+
+        return head_norm_rope_triton(
+            x,
+            norm.weight,
+            norm.eps,
+            norm.weight_offset,
+            positions,
+            rotary.inv_freq,
+            rotary.cos_sin_scale,
+        )
+    normed = norm(x)
+    if rotary.rotary_dim == x.shape[-1]:
+        return rotary(positions, normed)
+    rotated, passed = normed.split(
+        [rotary.rotary_dim, x.shape[-1] - rotary.rotary_dim], dim=-1
+    )
+    return torch.cat([rotary(positions, rotated), passed], dim=-1)

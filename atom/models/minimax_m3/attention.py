@@ -23,7 +23,7 @@ from atom.model_ops.attention_backend import (
 from atom.model_ops.layernorm import GemmaRMSNorm
 from atom.model_ops.linear import HeadParallelLinear, RowParallelLinear
 from atom.model_ops.paged_cache import DEFAULT_KV_SCALE
-from atom.model_ops.rotary_embedding import RotaryEmbedding
+from atom.model_ops.rotary_embedding import RotaryEmbedding, norm_and_rotate
 from atom.models.minimax_m3.config import MiniMaxM3TextConfig
 from atom.utils.forward_context import require_metadata
 
@@ -35,22 +35,6 @@ QKV_SHARDS = {
     "index_q_proj": 3,
     "index_k_proj": 4,
 }
-
-
-class PartialRotary(nn.Module):
-    """NeoX RoPE on the first `rotary_dim` channels of each head; the rest pass."""
-
-    def __init__(self, rotary_dim: int, theta: float) -> None:
-        super().__init__()
-        self.rotary_dim = rotary_dim
-        self.rotary = RotaryEmbedding(rotary_dim, theta, interleaved=False)
-
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """x [N, heads, head_dim]; positions [N]."""
-        rotated, passed = x.split(
-            [self.rotary_dim, x.shape[-1] - self.rotary_dim], dim=-1
-        )
-        return torch.cat([self.rotary(positions, rotated), passed], dim=-1)
 
 
 class MiniMaxM3Attention(nn.Module):
@@ -85,7 +69,10 @@ class MiniMaxM3Attention(nn.Module):
         if self.indexer is not None:
             self.index_q_norm = GemmaRMSNorm(self.indexer.head_dim, eps=eps)
             self.index_k_norm = GemmaRMSNorm(self.indexer.head_dim, eps=eps)
-        self.rotary = PartialRotary(config.rotary_dim, config.rope_theta)
+        # NeoX RoPE on each head's first rotary_dim channels; the rest pass.
+        self.rotary = RotaryEmbedding(
+            config.rotary_dim, config.rope_theta, interleaved=False
+        )
         # Rows follow q's heads, which the config guarantees split evenly over TP.
         self.o_proj = RowParallelLinear(heads * head_dim, hidden)
         # A `PagedKVLayer` (models/interfaces.py): rows [k | v | index key].
@@ -107,13 +94,17 @@ class MiniMaxM3Attention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(q [N, h, d], cache rows [N, kv_cache_dim], index queries [N, g, di])."""
         q, k, v, *index = self.qkv_proj.split(self.qkv_proj(x))
-        q = self.rotary(positions, self.q_norm(q))
-        k = self.rotary(positions, self.k_norm(k))
+        q = norm_and_rotate(q, self.q_norm, self.rotary, positions)
+        k = norm_and_rotate(k, self.k_norm, self.rotary, positions)
         row = [k.flatten(1), v.flatten(1)]
         index_q = None
         if self.indexer is not None:
-            index_q = self.rotary(positions, self.index_q_norm(index[0]))
-            index_k = self.rotary(positions, self.index_k_norm(index[1]))
+            index_q = norm_and_rotate(
+                index[0], self.index_q_norm, self.rotary, positions
+            )
+            index_k = norm_and_rotate(
+                index[1], self.index_k_norm, self.rotary, positions
+            )
             row.append(index_k.flatten(1))
         return q, torch.cat(row, dim=-1), index_q
 

@@ -32,7 +32,7 @@ from atom.model_ops.linear import (
     RowParallelLinear,
 )
 from atom.model_ops.paged_attention import gqa_attention
-from atom.model_ops.rotary_embedding import RotaryEmbedding
+from atom.model_ops.rotary_embedding import RotaryEmbedding, norm_and_rotate
 from atom.models.dspark_base import DraftAttention, DSparkDraft, DSparkLayer
 from atom.models.qwen3_dspark.config import Qwen3DSparkConfig
 
@@ -73,8 +73,8 @@ class Qwen3DSparkAttention(DraftAttention):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(q [N, h, d], cache rows [k | v] [N, kv_cache_dim]) of x [N, H]."""
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
-        q = self.rotary(positions, self.q_norm(q))
-        k = self.rotary(positions, self.k_norm(k))
+        q = norm_and_rotate(q, self.q_norm, self.rotary, positions)
+        k = norm_and_rotate(k, self.k_norm, self.rotary, positions)
         return q, torch.cat([k.flatten(1), v.flatten(1)], dim=-1)
 
     def write_context(
