@@ -44,6 +44,26 @@ def kernel_times(prof: profile) -> dict[str, tuple[float, int]]:
     return {name: (total, count) for name, (total, count) in table.items()}
 
 
+def print_step_sequence(prof: profile, per_step: int) -> None:
+    """One decode step's kernels in launch order (the second-to-last step's
+    window), runs of one name folded into one line: where the fusions are."""
+    events = sorted(
+        (e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+        key=lambda e: e.time_range.start,
+    )
+    window = events[-2 * per_step : -per_step] if len(events) >= 2 * per_step else []
+    print(f"one step's kernels in order ({len(window)}):")
+    runs: list[list] = []
+    for event in window:
+        if runs and runs[-1][0] == event.name:
+            runs[-1][1] += 1
+            runs[-1][2] += event.device_time
+        else:
+            runs.append([event.name, 1, event.device_time])
+    for name, count, total in runs:
+        print(f"  {total:7.1f} us  x{count:<3d} {name[:100]}")
+
+
 def profile_run(
     engine: LLMEngine,
     prompts: list[list[int]],
@@ -51,6 +71,7 @@ def profile_run(
     label: str,
     top: int,
     device: str,
+    sequence: bool = False,
 ) -> None:
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     engine.generate(prompts, params)  # warm-up at this batch size
@@ -80,6 +101,8 @@ def profile_run(
             f"{100 * total / whole:5.1f} %  {total / (steps + 1):8.1f} us/step "
             f"{count / (steps + 1):6.1f}/step  {name[:110]}"
         )
+    if sequence:
+        print_step_sequence(prof, round(launches))
     if "eager" in label:  # torch ops, named, only where there is no graph
         print(
             prof.key_averages().table(
@@ -102,6 +125,9 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=18)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--transformers-fla", action="store_true")
+    parser.add_argument(
+        "--sequence", action="store_true", help="print one step's kernels in order"
+    )
     parser.add_argument(
         "--checkpoint",
         help="folder for the checkpoint; reused if it holds one (default: temp)",
@@ -136,6 +162,7 @@ def main() -> None:
                         label,
                         args.top,
                         args.device,
+                        args.sequence,
                     )
             finally:
                 engine.close()
