@@ -54,6 +54,15 @@ def require_triton(device: torch.device | str, what: str) -> None:
         )
 
 
+@functools.cache
+def multiprocessors(device: torch.device) -> int:
+    """The GPU's multiprocessors (grids are sized to fill them); 4 under the
+    interpreter, where any count gives the same numbers."""
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def rows_per_chunk(block_e: int) -> int:
     """Rows a one-program kernel takes per chunk of a [rows, experts] comparison
     (`moe_align.py`, the expert GEMM's tile list): about 16K elements at a time

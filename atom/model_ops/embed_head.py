@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from atom.distributed.parallel_state import get_tp_group
+from atom.model_ops.dense_product import dense_linear
 from atom.model_ops.linear import default_weight_loader, divide, shard_of
 
 
@@ -46,7 +47,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Logits over the full vocabulary on every TP rank (local slice, then gather)."""
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden_states, self.weight)
+        logits = dense_linear(hidden_states, self.weight)
         return get_tp_group().all_gather(logits, dim=-1)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,9 @@ multiplies one contiguous group of rows. Three paths compute the same products:
 - `triton`: the grouped GEMM of `atom/kernels/expert_gemm.py`, one kernel per
   projection in any dtype, no host sync: every other CUDA case, decode-sized bf16
   steps included (`step_path`).
+- `gemv`: a step of a token or two on CUDA in half precision skips the sort: each
+  (token, choice) pair reads its expert directly (`atom/kernels/expert_gemv.py`),
+  two launches with the activation between them. A step path only (`step_path`).
 - `loop`: one `F.linear` per group, reading the group sizes on the host once (an
   old torch without `_grouped_mm`, misaligned widths, no Triton). Not capturable.
 
@@ -26,7 +29,7 @@ import torch.nn.functional as F
 
 from atom.kernels import triton_available
 
-ExpertPath = Literal["grouped_mm", "triton", "loop"]
+ExpertPath = Literal["grouped_mm", "triton", "gemv", "loop"]
 # The paths with no host synchronisation, which a CUDA graph can capture.
 CAPTURABLE_PATHS = ("grouped_mm", "triton")
 
@@ -86,15 +89,24 @@ def _grouped_linear(
 _TRITON_DECODE_MAX_PAIRS = 1024
 
 
-def step_path(path: ExpertPath, num_pairs: int, device: torch.device) -> ExpertPath:
+# Steps of up to this many pairs (two tokens at top 8) take `gemv`: beyond it tokens
+# share experts, which the grouped GEMM then reads once for all of them.
+_GEMV_MAX_PAIRS = 16
+
+
+def step_path(
+    path: ExpertPath, num_pairs: int, device: torch.device, dtype: torch.dtype
+) -> ExpertPath:
     """The path one step takes: `path` (`expert_path`'s choice for the weights),
-    except that a decode-sized CUDA step swaps `grouped_mm` for `triton`."""
-    if (
-        path == "grouped_mm"
-        and device.type == "cuda"
-        and num_pairs <= _TRITON_DECODE_MAX_PAIRS
-        and triton_available(device)
-    ):
+    except that a decode-sized CUDA step swaps `grouped_mm` for `triton`, and a
+    step of a token or two in half precision takes `gemv`."""
+    if path not in CAPTURABLE_PATHS or device.type != "cuda":
+        return path
+    if not triton_available(device):
+        return path
+    if num_pairs <= _GEMV_MAX_PAIRS and dtype in (torch.bfloat16, torch.float16):
+        return "gemv"
+    if path == "grouped_mm" and num_pairs <= _TRITON_DECODE_MAX_PAIRS:
         return "triton"
     return path
 
@@ -179,6 +191,12 @@ def grouped_expert_mlp(
     these weights (or any path that runs on their device). `row_transform`, when
     given, maps the rows each projection reads (fp8 rounds them per token).
     """
+    if path == "gemv":  # `step_path` picks it for plain half-precision weights only
+        from atom.kernels.expert_gemv import expert_down_sum, expert_up
+
+        ids = expert_ids.contiguous()
+        h = act(expert_up(x.contiguous(), ids, w13))
+        return expert_down_sum(h, ids, routing_weights.contiguous(), w2)
     transform = row_transform or (lambda rows: rows)
 
     def product(weight: torch.Tensor) -> GroupedProduct:

@@ -11,10 +11,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from atom.distributed.parallel_state import get_tp_group
+from atom.model_ops.dense_product import dense_linear
 
 if TYPE_CHECKING:
     from atom.model_ops.quantization.methods import LinearMethod
@@ -74,7 +74,7 @@ class LinearBase(nn.Module):
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x W^T (+ bias) with this rank's weight, quantized or not."""
         if self.quant_method is None:
-            return F.linear(x, self.weight, bias)
+            return dense_linear(x, self.weight, bias)
         return self.quant_method.apply(self, x, bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:

@@ -15,10 +15,10 @@ import re
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from atom.distributed.parallel_state import get_tp_group
+from atom.model_ops.dense_product import dense_linear
 from atom.model_ops.grouped_experts import (
     CAPTURABLE_PATHS,
     ExpertPath,
@@ -186,7 +186,7 @@ class FusedExperts(nn.Module):
         """This rank's partial sum_k w_k * expert_k(x), [N, D] in fp32."""
         if self.quant_method is not None:
             return self.quant_method.apply(self, x, weights, expert_ids)
-        path = step_path(self.path, expert_ids.numel(), x.device)
+        path = step_path(self.path, expert_ids.numel(), x.device, x.dtype)
         return grouped_expert_mlp(
             x, weights, expert_ids, self.w13, self.w2, self.act, path
         )
@@ -227,4 +227,4 @@ class RouterGate(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.float(), self.weight)
+        return dense_linear(x, self.weight, out_dtype=torch.float32)

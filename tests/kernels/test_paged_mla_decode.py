@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from atom.kernels import triton_available
-from atom.kernels.context_splits import combine
+from atom.kernels.context_splits import combine, combine_reference
 from atom.model_ops.attention_backend import (
     LatentLayer,
     TorchMLABackend,
@@ -57,7 +57,12 @@ def test_triton_backend_attends_as_the_torch_backend(device, rows, fp8_cache):
     torch.testing.assert_close(outputs[0], outputs[1], **tolerance)
 
 
-def test_splits_merge_to_one_softmax():
+@pytest.mark.kernels
+@pytest.mark.parametrize("device", ["reference", *DEVICES])
+def test_splits_merge_to_one_softmax(device):
+    merge = combine_reference if device == "reference" else combine
+    if merge is combine and not triton_available(device):
+        pytest.skip("triton cannot run here")
     gen = torch.Generator().manual_seed(0)
     scores = torch.randn(2, 3, 10, generator=gen)  # [rows, heads, keys]
     values = torch.randn(2, 10, 4, generator=gen)
@@ -69,5 +74,10 @@ def test_splits_merge_to_one_softmax():
         p = torch.exp(part - m.unsqueeze(-1)) if part.shape[-1] else part
         acc.append(torch.einsum("rhk,rkc->rhc", p, values[:, keys]))
         stats.append(torch.stack([m, p.sum(-1)], -1))
-    merged = combine(torch.stack(acc, 1), torch.stack(stats, 1))
-    torch.testing.assert_close(merged, expected)
+    where = "cpu" if device == "reference" else device
+    merged = merge(torch.stack(acc, 1).to(where), torch.stack(stats, 1).to(where))
+    torch.testing.assert_close(merged.cpu(), expected)
+    # A row no split saw a key for merges to zeros, not nan.
+    empty = torch.stack([torch.full((2, 3), float("-inf")), torch.zeros(2, 3)], -1)
+    blank = merge(torch.zeros(2, 1, 3, 4).to(where), empty.unsqueeze(1).to(where))
+    assert torch.equal(blank.cpu(), torch.zeros(2, 3, 4))

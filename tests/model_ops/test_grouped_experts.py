@@ -1,5 +1,6 @@
 """Routed experts as grouped GEMMs: every path (one `_grouped_mm` kernel, the Triton
-grouped GEMM, the per-group loop) equals a direct per-token sum, on CPU (Triton
+grouped GEMM, the unsorted per-pair GEMV, the per-group loop) equals a direct
+per-token sum, on CPU (Triton
 through its interpreter) and, when present, CUDA in fp32 and bf16."""
 
 import pytest
@@ -38,7 +39,7 @@ def paths_on(device: str, dtype: torch.dtype) -> list[str]:
     if grouped_mm_supported(torch.device(device), dtype, 32, 16):
         paths.append("grouped_mm")
     if triton_available(device):
-        paths.append("triton")
+        paths += ["triton", "gemv"]
     return paths
 
 
@@ -103,11 +104,14 @@ def test_cuda_experts_take_a_capturable_path_in_every_dtype(dtype):
 
 
 def test_decode_sized_cuda_steps_take_triton_where_grouped_mm_runs():
-    cpu = torch.device("cpu")
-    assert step_path("grouped_mm", 8, cpu) == "grouped_mm"
-    assert step_path("loop", 8, cpu) == "loop"
+    cpu, bf16, fp32 = torch.device("cpu"), torch.bfloat16, torch.float32
+    assert step_path("grouped_mm", 8, cpu, bf16) == "grouped_mm"
+    assert step_path("loop", 8, cpu, bf16) == "loop"
     if torch.cuda.is_available() and triton_available("cuda"):
         cuda = torch.device("cuda")
-        assert step_path("grouped_mm", 1024, cuda) == "triton"
-        assert step_path("grouped_mm", 1025, cuda) == "grouped_mm"  # prefill
-        assert step_path("triton", 5000, cuda) == "triton"
+        assert step_path("grouped_mm", 16, cuda, bf16) == "gemv"  # two tokens, top 8
+        assert step_path("triton", 8, cuda, fp32) == "triton"
+        assert step_path("grouped_mm", 1024, cuda, bf16) == "triton"
+        assert step_path("grouped_mm", 1025, cuda, bf16) == "grouped_mm"  # prefill
+        assert step_path("triton", 5000, cuda, bf16) == "triton"
+        assert step_path("loop", 8, cuda, bf16) == "loop"

@@ -9,11 +9,11 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from atom.distributed.parallel_state import get_tp_group
 from atom.kernels import triton_available
+from atom.model_ops.dense_product import dense_linear
 from atom.model_ops.kda import (
     causal_conv1d,
     kda_forget_gate,
@@ -182,7 +182,7 @@ class KimiDeltaAttention(nn.Module):
         mixed = self.qkv_proj(x)
         low_rank = self.f_b_proj(self.f_a_proj(x))
         # The write strength is formed in fp32: bf16 here measurably costs accuracy.
-        b_logits = F.linear(x.float(), self._derived_weights()[1])
+        b_logits = dense_linear(x, self._derived_weights()[1], out_dtype=torch.float32)
         if self._pointwise_kernels(x):
             from atom.kernels.kda_gates import kda_gates_triton
 

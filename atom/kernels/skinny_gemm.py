@@ -1,0 +1,136 @@
+"""y = x W^T (+ b) for a few rows of x, in Triton: the decode step's dense products.
+
+The torch reference is `torch.nn.functional.linear` in fp32. At one to a few rows a
+product is a read of W: cuBLAS picks tiles built for larger products there and
+reads W at half the memory rate or less (5-6 us for a 9 MB weight on an H100, and
+its fp32 GEMVs take a cast and two kernels). Here each program owns BLOCK_N output
+columns for every row, walks K in BLOCK_K steps, and accumulates in fp32 with a
+broadcast multiply and a sum (no tensor cores: at these shapes the bytes of W set
+the time, not the FLOPs). x and W may differ in dtype: the router's and KDA's
+write-strength products read bf16 activations against fp32 weights in one kernel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from atom.kernels import multiprocessors
+
+# The most rows this kernel takes; beyond it cuBLAS's tiles read W once for many
+# rows and win.
+SKINNY_MAX_ROWS = 8
+
+
+@dataclass(frozen=True)
+class SkinnyTiles:
+    block_n: int
+    block_k: int
+    num_warps: int
+
+
+def skinny_tiles(rows: int, n: int, k: int, units: int) -> SkinnyTiles:
+    """Tiles for an [rows, k] x [n, k]^T product on a GPU of `units` multiprocessors:
+    the widest BLOCK_N that still gives every unit two programs (so W streams from
+    every unit at once; one column a program for the narrowest products), and a
+    BLOCK_K that keeps a program's tile near 4K elements of W a row of x."""
+    block_n = 64
+    while block_n > 1 and triton.cdiv(n, block_n) < 2 * units:
+        block_n //= 2
+    budget = max(64, 4096 // max(1, triton.next_power_of_2(rows)))
+    block_k = max(32, min(triton.next_power_of_2(k), budget // block_n, 2048))
+    return SkinnyTiles(block_n, block_k, 4 if block_n * block_k <= 4096 else 8)
+
+
+@triton.jit
+def _skinny_gemm_kernel(
+    x_ptr,
+    w_ptr,
+    bias_ptr,
+    out_ptr,
+    rows,
+    n,
+    k,
+    stride_x,
+    stride_w,
+    stride_out,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = tl.arange(0, BLOCK_M)
+    cols_ok, m_ok = cols < n, m < rows
+    w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_w
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for start in range(0, k, BLOCK_K):
+        kk = start + tl.arange(0, BLOCK_K)
+        k_ok = kk < k
+        w = tl.load(
+            w_rows + kk[None, :], mask=cols_ok[:, None] & k_ok[None, :], other=0
+        )
+        x = tl.load(
+            x_ptr + m[:, None] * stride_x + kk[None, :],
+            mask=m_ok[:, None] & k_ok[None, :],
+            other=0,
+        )
+        product = x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+        acc += tl.sum(product, axis=2)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=cols_ok, other=0).to(tl.float32)[None, :]
+    tl.store(
+        out_ptr + m[:, None] * stride_out + cols[None, :],
+        acc,
+        mask=m_ok[:, None] & cols_ok[None, :],
+    )
+
+
+def skinny_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    tiles: SkinnyTiles | None = None,
+) -> torch.Tensor:
+    """x [..., K] (at most SKINNY_MAX_ROWS rows) times weight [N, K]^T (+ bias [N]),
+    in `out_dtype` (x's by default), accumulated in fp32. `tiles` overrides the
+    choice of `skinny_tiles` (the benchmark's sweep)."""
+    k = x.shape[-1]
+    n = weight.shape[0]
+    flat = x.reshape(-1, k)
+    rows = flat.shape[0]
+    if rows > SKINNY_MAX_ROWS:
+        raise ValueError(
+            f"skinny_linear takes up to {SKINNY_MAX_ROWS} rows, got {rows}"
+        )
+    if weight.shape[1] != k:
+        raise ValueError(f"x [..., {k}] does not match weight {tuple(weight.shape)}")
+    if flat.stride(-1) != 1:
+        flat = flat.contiguous()
+    if weight.stride(-1) != 1:
+        weight = weight.contiguous()
+    out = torch.empty(rows, n, dtype=out_dtype or x.dtype, device=x.device)
+    if tiles is None:
+        tiles = skinny_tiles(rows, n, k, multiprocessors(x.device))
+    _skinny_gemm_kernel[(triton.cdiv(n, tiles.block_n),)](
+        flat,
+        weight,
+        bias if bias is not None else weight,
+        out,
+        rows,
+        n,
+        k,
+        flat.stride(0),
+        weight.stride(0),
+        out.stride(0),
+        HAS_BIAS=bias is not None,
+        BLOCK_M=triton.next_power_of_2(max(rows, 1)),
+        BLOCK_N=tiles.block_n,
+        BLOCK_K=tiles.block_k,
+        num_warps=tiles.num_warps,
+    )
+    return out.view(*x.shape[:-1], n)
