@@ -207,7 +207,8 @@ def expert_operands(batch: int) -> tuple:
 
 def bench_experts(batch: int, iters: int) -> None:
     """The bf16 routed experts: atom's Triton grouped GEMM ("triton" path) against
-    `torch._grouped_mm` (the path bf16 takes on sm90), both graph-captured."""
+    `torch._grouped_mm` (the path bf16 takes on sm90), both graph-captured; at a
+    few tokens also the per-pair GEMV ("gemv") against that grouped GEMM."""
     x, routing, ids, w13, w2, act = expert_operands(batch)
     dims = (*w13.shape[1:], *w2.shape[1:])
     if not grouped_mm_supported(w13.device, w13.dtype, *dims):
@@ -220,7 +221,10 @@ def bench_experts(batch: int, iters: int) -> None:
 
     used = min(EXPERTS, batch * TOP_K)
     moved = used * 3 * w2[0].numel() * 2
-    report("bf16 experts", batch, run("triton"), run("grouped_mm"), moved)
+    grouped = run("triton")
+    report("bf16 experts", batch, grouped, run("grouped_mm"), moved)
+    if batch * TOP_K <= 32:  # the unsorted per-pair GEMV against the grouped GEMM
+        report("expert gemv", batch, run("gemv"), grouped, moved)
 
 
 def bench_norm(batch: int, iters: int) -> None:
