@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -47,9 +48,10 @@ class AttentionMetadata:
     pad_index: torch.Tensor | None = None
     unpad_index: torch.Tensor | None = None
 
-    @property
+    @cached_property
     def fresh(self) -> torch.Tensor:
-        """[B] bool: the sequence starts here, from a zero recurrent state."""
+        """[B] bool: the sequence starts here, from a zero recurrent state. Formed
+        once a forward, not once a recurrent layer (a kernel each)."""
         return self.context_lens == 0
 
     def pad(self, rows: torch.Tensor) -> torch.Tensor:
