@@ -23,6 +23,8 @@ from atom.kernels import multiprocessors
 # The most rows this kernel takes; beyond it cuBLAS's tiles read W once for many
 # rows and win.
 SKINNY_MAX_ROWS = 8
+_MAX_BLOCK_N = 16
+_TILE_ELEMENTS = 8192  # [rows, BLOCK_N, BLOCK_K] products a program holds at once
 
 
 @dataclass(frozen=True)
@@ -33,16 +35,25 @@ class SkinnyTiles:
 
 
 def skinny_tiles(rows: int, n: int, k: int, units: int) -> SkinnyTiles:
-    """Tiles for an [rows, k] x [n, k]^T product on a GPU of `units` multiprocessors:
-    the widest BLOCK_N that still gives every unit two programs (so W streams from
-    every unit at once; one column a program for the narrowest products), and a
-    BLOCK_K that keeps a program's tile near 4K elements of W a row of x."""
-    block_n = 64
+    """Tiles for an [rows, k] x [n, k]^T product on a GPU of `units` multiprocessors.
+
+    BLOCK_N: the widest (up to 16) that still gives every unit two programs, so W
+    streams from every unit at once; each program re-reads x, so x's share of
+    the traffic is rows / BLOCK_N. BLOCK_K: row segments of 512 elements where one
+    row of x is read (coalesced, few steps); with more rows the product tile
+    [rows, BLOCK_N, BLOCK_K] stays within 8K elements of registers. A product too
+    narrow for that (one column a program) reads up to 2048 of K a step instead:
+    its programs are few, and each step is a round trip to memory."""
+    span = triton.next_power_of_2(max(1, rows))
+    block_n = _MAX_BLOCK_N
     while block_n > 1 and triton.cdiv(n, block_n) < 2 * units:
         block_n //= 2
-    budget = max(64, 4096 // max(1, triton.next_power_of_2(rows)))
-    block_k = max(32, min(triton.next_power_of_2(k), budget // block_n, 2048))
-    return SkinnyTiles(block_n, block_k, 4 if block_n * block_k <= 4096 else 8)
+    wide_k = triton.next_power_of_2(k)
+    widest = _TILE_ELEMENTS // (span * block_n)
+    block_k = min(wide_k, widest, 512 if block_n > 1 else 2048)
+    block_k = max(32, block_k)
+    warps = 4 if span * block_n * block_k <= _TILE_ELEMENTS // 2 else 8
+    return SkinnyTiles(block_n, block_k, warps)
 
 
 @triton.jit

@@ -77,6 +77,11 @@ def test_refuses_more_rows_and_mismatched_widths():
 def test_tiles_spread_narrow_products_over_the_gpu():
     # A 16-column product on 132 units: a column a program, K in as few steps as fit.
     assert skinny_tiles(1, 16, 2304, 132) == SkinnyTiles(1, 2048, 4)
-    wide = skinny_tiles(1, 163840, 2304, 132)
-    assert wide.block_n == 64 and wide.block_n * wide.block_k <= 8192
-    assert skinny_tiles(8, 6144, 2304, 132).block_k * 8 * 16 <= 8192
+    # Wide products: 16 columns a program, 512 of K a step.
+    assert skinny_tiles(1, 163840, 2304, 132) == SkinnyTiles(16, 512, 8)
+    # Fewer columns a program where the grid would not cover the GPU twice.
+    assert skinny_tiles(1, 2304, 2048, 132) == SkinnyTiles(8, 512, 4)
+    # Eight rows keep the product tile within 8K elements; K never below 32.
+    eight = skinny_tiles(8, 6144, 2304, 132)
+    assert 8 * eight.block_n * eight.block_k <= 8192 and eight.block_k >= 32
+    assert skinny_tiles(1, 2048, 16, 132).block_k == 32
