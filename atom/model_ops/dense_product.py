@@ -1,11 +1,15 @@
 """x W^T (+ b): the one place a dense, unquantized product picks its kernel.
 
-A decode step's products have one row a sequence, and at a few rows they only read
-W: there the skinny GEMM (`atom/kernels/skinny_gemm.py`) reads it near the memory
-rate, where cuBLAS's tiles reach half of it or less. It runs on a GPU, for half
-precision activations (fp32 models keep cuBLAS, whose products the transformers
-comparisons match exactly), without autograd, and at up to `SKINNY_MAX_ROWS` rows,
-a shape fact, so a captured graph always takes the same path.
+A decode step's products have one row a sequence. For the small weights among them
+(KDA's low-rank gate projections, the router, the write strength) a product costs
+cuBLAS's launch floor, and its fp32 GEMVs a cast and two kernels more; there the
+skinny GEMM (`atom/kernels/skinny_gemm.py`) takes 1.1-2.3x less time (H100,
+`benchmarks/bench_skinny_gemm.py`, 2026-12-06). For larger weights cuBLAS reads W
+faster (the kernel reached 0.63-0.92x its speed at one row, far less at eight), so
+they stay with cuBLAS. The kernel runs on a GPU, for half precision activations
+(fp32 models keep cuBLAS, whose products the transformers comparisons match
+exactly), without autograd, and at up to `SKINNY_MAX_ROWS` rows: shape facts, so a
+captured graph always takes the same path.
 """
 
 from __future__ import annotations
@@ -16,6 +20,9 @@ import torch.nn.functional as F
 from atom.kernels import triton_available
 
 _HALF = (torch.bfloat16, torch.float16)
+# The largest weight (elements) the skinny GEMM takes: 2304 x 128 and 128 x 2048
+# gained, 2304 x 576 lost at eight rows.
+_SKINNY_MAX_WEIGHT = 1 << 19
 
 
 def dense_linear(
@@ -26,18 +33,19 @@ def dense_linear(
 ) -> torch.Tensor:
     """x [..., K] W [N, K]^T (+ bias) in `out_dtype` (x's by default). W may be wider
     than x's dtype (fp32 router weights): x is then taken at W's precision."""
-    if _skinny(x):
+    if _skinny(x, weight):
         from atom.kernels.skinny_gemm import skinny_linear
 
         return skinny_linear(x, weight, bias, out_dtype)
     return F.linear(x.to(weight.dtype), weight, bias).to(out_dtype or x.dtype)
 
 
-def _skinny(x: torch.Tensor) -> bool:
+def _skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
     from atom.kernels.skinny_gemm import SKINNY_MAX_ROWS
 
     return (
         x.is_cuda
+        and weight.numel() <= _SKINNY_MAX_WEIGHT
         and x.dtype in _HALF
         and not torch.is_grad_enabled()
         and x.numel() <= SKINNY_MAX_ROWS * x.shape[-1]

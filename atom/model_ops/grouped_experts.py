@@ -9,9 +9,10 @@ multiplies one contiguous group of rows. Three paths compute the same products:
 - `triton`: the grouped GEMM of `atom/kernels/expert_gemm.py`, one kernel per
   projection in any dtype, no host sync: every other CUDA case, decode-sized bf16
   steps included (`step_path`).
-- `gemv`: a step of a token or two on CUDA in half precision skips the sort: each
-  (token, choice) pair reads its expert directly (`atom/kernels/expert_gemv.py`),
-  two launches with the activation between them. A step path only (`step_path`).
+- `gemv`: each (token, choice) pair reads its expert directly, no sort
+  (`atom/kernels/expert_gemv.py`), two launches with the activation between them:
+  a step path (`step_path`) for steps of a token or two in half precision, off
+  until it reads faster than the grouped GEMM (`_GEMV_MAX_PAIRS`).
 - `loop`: one `F.linear` per group, reading the group sizes on the host once (an
   old torch without `_grouped_mm`, misaligned widths, no Triton). Not capturable.
 
@@ -89,9 +90,12 @@ def _grouped_linear(
 _TRITON_DECODE_MAX_PAIRS = 1024
 
 
-# Steps of up to this many pairs (two tokens at top 8) take `gemv`: beyond it tokens
-# share experts, which the grouped GEMM then reads once for all of them.
-_GEMV_MAX_PAIRS = 16
+# Steps of up to this many pairs take `gemv`. None do for now: its broadcast-and-sum
+# form read dense weights of this size at 0.63-0.92x cuBLAS's speed on an H100
+# (`benchmarks/bench_skinny_gemm.py`, 2026-12-06), below the grouped GEMM's 70 % of
+# the HBM rate; `benchmarks/bench_kernels.py` measures the two side by side, and
+# the bound rises once the GEMV reads faster.
+_GEMV_MAX_PAIRS = 0
 
 
 def step_path(
@@ -104,7 +108,8 @@ def step_path(
         return path
     if not triton_available(device):
         return path
-    if num_pairs <= _GEMV_MAX_PAIRS and dtype in (torch.bfloat16, torch.float16):
+    half = dtype in (torch.bfloat16, torch.float16)
+    if 0 < num_pairs <= _GEMV_MAX_PAIRS and half:
         return "gemv"
     if path == "grouped_mm" and num_pairs <= _TRITON_DECODE_MAX_PAIRS:
         return "triton"

@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from functools import cached_property
 
 import torch
 
@@ -48,10 +47,11 @@ class AttentionMetadata:
     pad_index: torch.Tensor | None = None
     unpad_index: torch.Tensor | None = None
 
-    @cached_property
+    @property
     def fresh(self) -> torch.Tensor:
         """[B] bool: the sequence starts here, from a zero recurrent state. Formed
-        once a forward, not once a recurrent layer (a kernel each)."""
+        afresh on every read: a cached tensor would be formed once in a graph's
+        warm-up run and replayed stale (seen on an H100, 2026-12-06)."""
         return self.context_lens == 0
 
     def pad(self, rows: torch.Tensor) -> torch.Tensor:
