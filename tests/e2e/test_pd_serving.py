@@ -47,14 +47,44 @@ def transfer_config(role: str) -> list[str]:
     return ["--kv-transfer-config", json.dumps({"kv_role": role, "protocol": "tcp"})]
 
 
-def wait_for_proxy(proc: subprocess.Popen, url: str, log_path) -> None:
+def start_proxy(producer: Server, consumer: Server, log_path) -> tuple:
+    """(the running router, its URL). The port is picked just before the router
+    binds it; if another process took it in between (seen once beside the
+    servers' rank processes), the router is started again on a fresh one."""
+    for _ in range(3):
+        port = free_port()
+        with open(log_path, "w") as log:
+            proxy = subprocess.Popen(
+                [sys.executable, "-m", "atom.entrypoints.pd_proxy",
+                 "--prefill", producer.base_url, "--decode", consumer.base_url,
+                 "--port", str(port)],
+                cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
+                env={**os.environ, "ATOM_API_KEY": API_KEY},
+            )  # fmt: skip
+        url = f"http://127.0.0.1:{port}"
+        try:
+            if wait_for_proxy(proxy, url, log_path):
+                return proxy, url
+        except AssertionError:
+            proxy.kill()
+            proxy.wait()
+            raise
+    raise AssertionError(f"the router found no free port:\n{log_path.read_text()}")
+
+
+def wait_for_proxy(proc: subprocess.Popen, url: str, log_path) -> bool:
+    """True once the router is healthy; False if it exited because its port was
+    taken; an AssertionError for any other exit or if it never becomes healthy."""
     # The backends are up already; the router starts in well under a minute.
     for _ in range(240):
         if proc.poll() is not None:
-            raise AssertionError(f"router exited:\n{log_path.read_text()}")
+            log = log_path.read_text()
+            if "address already in use" in log:
+                return False
+            raise AssertionError(f"router exited:\n{log}")
         try:
             if httpx.get(url + "/health", timeout=5).status_code == 200:
-                return
+                return True
         except httpx.TransportError:
             pass
         try:
@@ -95,7 +125,6 @@ def test_pd_through_the_router(tmp_path):
         tmp_path / "consumer.log",
         **KEYED,
     )
-    proxy_port = free_port()
     proxy_log = tmp_path / "proxy.log"
     proxy = None
     try:
@@ -111,16 +140,7 @@ def test_pd_through_the_router(tmp_path):
         }
         assert len(names) == 4 and names[0, 0] == names[0, 1]
         assert not names[0, 0] & names[1, 0] and "draft.mla.0" in names[1, 1]
-        with open(proxy_log, "w") as log:
-            proxy = subprocess.Popen(
-                [sys.executable, "-m", "atom.entrypoints.pd_proxy",
-                 "--prefill", producer.base_url, "--decode", consumer.base_url,
-                 "--port", str(proxy_port)],
-                cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
-                env={**os.environ, "ATOM_API_KEY": API_KEY},
-            )  # fmt: skip
-        url = f"http://127.0.0.1:{proxy_port}"
-        wait_for_proxy(proxy, url, proxy_log)
+        proxy, url = start_proxy(producer, consumer, proxy_log)
         body = {"model": TARGET, "max_tokens": MAX_TOKENS, "temperature": 0}
         keyless = httpx.post(
             url + "/v1/completions", json={**body, "prompt": PROMPTS[0]}, timeout=60
