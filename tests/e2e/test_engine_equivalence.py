@@ -161,9 +161,12 @@ def test_pp1_tp1_matches_golden(
 
 
 MULTI_PROCESS = [
-    # (model, pp, tp, prefix caching)
+    # (model, pp, tp, prefix caching). TP 4 runs once, in the reference layout
+    # (pp2 x tp4) of the model that has every layer kind; eight rank processes on
+    # a two-core CI machine take half a minute a layout.
     *[(m, pp, tp, True) for m in ("tiny-kimi-k3", "tiny-kimi-linear")
-      for pp, tp in ((1, 2), (1, 4), (2, 1), (2, 2), (2, 4))],
+      for pp, tp in ((1, 2), (2, 1), (2, 2))],
+    ("tiny-kimi-k3", 2, 4, True),
     ("tiny-kimi-k3", 2, 2, False),
     ("tiny-kimi-linear", 1, 2, False),
     ("tiny-kimi-k31", 2, 2, True),

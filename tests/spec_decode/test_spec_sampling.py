@@ -104,9 +104,10 @@ def rank_chi_square(
     return stat, expected.tolist(), observed.int().tolist()
 
 
+# Temperature scaling and top-k filtering, each on the verifier's accept, reject and
+# bonus paths (plain temperature 1 is the first case's law without the scaling).
 CASES = {
     "temperature-0.7": dict(temperature=0.7),
-    "temperature-1.0": dict(temperature=1.0),
     "temperature-1.0-top-k-4": dict(temperature=1.0, top_k=4),
 }
 
