@@ -1,9 +1,9 @@
 """x W^T (+ b): the one place a dense, unquantized product picks its kernel.
 
 A decode step's products have one row a sequence. For the small weights among them
-(KDA's low-rank gate projections, the router, the write strength) a product costs
-cuBLAS's launch floor, and its fp32 GEMVs a cast and two kernels more; there the
-skinny GEMM (`atom/kernels/skinny_gemm.py`) takes 1.1-2.3x less time (H100,
+(KDA's low-rank gate up-projections, the router, the write strength) a product is
+bound by cuBLAS's latency, and its fp32 GEMVs cost a cast and two kernels more;
+there the skinny GEMM (`atom/kernels/skinny_gemm.py`) saved 2-4 us a product (H100,
 `benchmarks/bench_skinny_gemm.py`, 2026-12-06). For larger weights cuBLAS reads W
 faster (the kernel reached 0.63-0.92x its speed at one row, far less at eight), so
 they stay with cuBLAS. The kernel runs on a GPU, for half precision activations
@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from atom.kernels import triton_available
 
 _HALF = (torch.bfloat16, torch.float16)
-# The largest weight (elements) the skinny GEMM takes: 2304 x 128 and 128 x 2048
-# gained, 2304 x 576 lost at eight rows.
+# The largest weight (elements) the skinny GEMM takes: 128 x 2304 and 2048 x 128
+# gained, 576 x 2304 lost at eight rows.
 _SKINNY_MAX_WEIGHT = 1 << 19
 
 

@@ -101,17 +101,29 @@ class ColumnParallelLinear(LinearBase):
         super().__init__(input_size, divide(output_size, tp_size, "output_size"), bias)
 
 
-class MergedColumnParallelLinear(ColumnParallelLinear):
-    """Several column-parallel projections in one weight, each sharded on its own.
+class MergedColumnParallelLinear(LinearBase):
+    """Several column-parallel projections of one input in one weight, each sharded
+    on its own: a rank holds [a_r; b_r; ...], not a slice of the concatenation.
+    Shards named in `replicated` are held whole on every rank (a small projection
+    that rides along in the larger product instead of a launch of its own)."""
 
-    A rank holds [a_r; b_r; ...], not a slice of the concatenation.
-    """
+    tp_dim = 0
 
     def __init__(
-        self, input_size: int, output_sizes: list[int], bias: bool = False
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        bias: bool = False,
+        replicated: frozenset[int] = frozenset(),
     ) -> None:
+        tp_size = get_tp_group().world_size
         self.output_sizes = output_sizes
-        super().__init__(input_size, sum(output_sizes), bias)
+        self.replicated = replicated
+        self.local_sizes = [
+            size if shard in replicated else divide(size, tp_size, "output_size")
+            for shard, size in enumerate(output_sizes)
+        ]
+        super().__init__(input_size, sum(self.local_sizes), bias)
         self.weight.expected_shards = set(range(len(output_sizes)))
 
     def weight_loader(
@@ -119,12 +131,17 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     ) -> None:
         if shard_id is None:
             raise ValueError("a merged projection loads one shard at a time (shard_id)")
-        local = [size // self.tp_size for size in self.output_sizes]
-        offset = sum(local[:shard_id])
-        target = param.data.narrow(0, offset, local[shard_id])
-        piece = shard_of(loaded, 0, self.tp_rank, self.tp_size)
+        offset = sum(self.local_sizes[:shard_id])
+        target = param.data.narrow(0, offset, self.local_sizes[shard_id])
+        piece = loaded
+        if shard_id not in self.replicated:
+            piece = shard_of(loaded, 0, self.tp_rank, self.tp_size)
         check_shape(target, piece, f"shard {shard_id}")
         target.copy_(piece)
+
+    def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """This rank's output columns per projection, in shard order (views)."""
+        return y.split(self.local_sizes, dim=-1)
 
 
 class RowParallelLinear(LinearBase):

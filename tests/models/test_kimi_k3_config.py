@@ -120,10 +120,10 @@ def test_tensor_parallel_shard_shapes():
     with build_parallel_state(tp_rank=1, tp_size=2):
         model = KimiLinearModel(config)
     kda, mla = model.layers[0].self_attn, model.layers[1].self_attn
-    assert tuple(kda.qkv_proj.weight.shape) == (3 * 64, 128)  # q, k, v slices
+    # q, k, v slices, then f_a whole (K3's output gate is full-rank)
+    assert tuple(kda.in_proj.weight.shape) == (3 * 64 + 32, 128)
     assert tuple(kda.q_conv1d.weight.shape) == (64, 1, 4)
     assert tuple(kda.A_log.shape) == (2,) and tuple(kda.b_proj.weight.shape) == (2, 128)
-    assert tuple(kda.f_a_proj.weight.shape) == (32, 128)  # replicated
     assert [(t.name, t.shape, t.dtype) for t in kda.state_spec()] == [
         ("conv", (192, 3), None),
         ("ssm", (2, 32, 32), torch.float32),

@@ -25,7 +25,6 @@ from atom.model_ops.layernorm import RMSNorm
 from atom.model_ops.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
-    ReplicatedLinear,
     RowParallelLinear,
     check_shape,
     shard_of,
@@ -34,9 +33,16 @@ from atom.models.interfaces import StateTensor
 from atom.models.kimi.config import KimiTextConfig
 from atom.utils.forward_context import require_metadata
 
-# Checkpoint projection -> shard of a KDA layer's merged `qkv_proj`; this rank's
-# [q_r; k_r; v_r] is the conv's channel order.
-KDA_QKV_SHARDS = (("q_proj", 0), ("k_proj", 1), ("v_proj", 2))
+# Checkpoint projection -> shard of a KDA layer's merged `in_proj`: this rank's
+# [q_r; k_r; v_r] (the conv's channel order), then the replicated low-rank halves
+# of the forget gate and, where the output gate is low-rank, of that gate.
+KDA_IN_PROJ_SHARDS = (
+    ("q_proj", 0),
+    ("k_proj", 1),
+    ("v_proj", 2),
+    ("f_a_proj", 3),
+    ("g_a_proj", 4),
+)
 
 
 def fp32_channel_sharded(*shape: int) -> nn.Parameter:
@@ -79,19 +85,24 @@ class KimiDeltaAttention(nn.Module):
         width = config.kda_heads * dim
         self.local_width = width // self.tp_size
 
-        # q_proj, k_proj and v_proj of the checkpoint, one product (KDA_QKV_SHARDS).
-        self.qkv_proj = MergedColumnParallelLinear(hidden, [width] * 3)
+        # q_proj, k_proj, v_proj, f_a_proj (and g_a_proj) of the checkpoint read
+        # the same x: one product (KDA_IN_PROJ_SHARDS). The low-rank halves are
+        # small (D x H) and latency-bound alone: two launches a layer fewer.
+        low_rank_gate = not config.use_full_rank_gate
+        self.in_proj = MergedColumnParallelLinear(
+            hidden,
+            [width] * 3 + [dim] * (2 if low_rank_gate else 1),
+            replicated=frozenset({3, 4}),
+        )
         self.q_conv1d = ConvWeight(self.local_width, self.kernel_size)
         self.k_conv1d = ConvWeight(self.local_width, self.kernel_size)
         self.v_conv1d = ConvWeight(self.local_width, self.kernel_size)
-        self.f_a_proj = ReplicatedLinear(hidden, dim)
         self.f_b_proj = ColumnParallelLinear(dim, width)
         self.b_proj = ColumnParallelLinear(hidden, config.kda_heads)
-        if config.use_full_rank_gate:
-            self.g_proj = ColumnParallelLinear(hidden, width)
-        else:
-            self.g_a_proj = ReplicatedLinear(hidden, dim)
+        if low_rank_gate:
             self.g_b_proj = ColumnParallelLinear(dim, width)
+        else:
+            self.g_proj = ColumnParallelLinear(hidden, width)
         self.A_log = nn.Parameter(
             torch.empty(self.heads, dtype=torch.float32), requires_grad=False
         )
@@ -179,8 +190,11 @@ class KimiDeltaAttention(nn.Module):
         if self._backend is None:
             self._backend = select_kda_backend(x.device, self.backend_choice)
         tokens = x.shape[0]
-        mixed = self.qkv_proj(x)
-        low_rank = self.f_b_proj(self.f_a_proj(x))
+        projected = self.in_proj(x)
+        # q, k and v side by side (a view: the conv reads strided rows).
+        mixed = projected[..., : 3 * self.local_width]
+        f_low, *g_low = self.in_proj.split(projected)[3:]
+        low_rank = self.f_b_proj(f_low)
         # The write strength is formed in fp32: bf16 here measurably costs accuracy.
         b_logits = dense_linear(x, self._derived_weights()[1], out_dtype=torch.float32)
         if self._pointwise_kernels(x):
@@ -208,11 +222,7 @@ class KimiDeltaAttention(nn.Module):
                 metadata.pad(mixed), metadata.pad(log_decay), metadata.pad(beta)
             )
         )
-        gate = (
-            self.g_proj(x)
-            if hasattr(self, "g_proj")
-            else self.g_b_proj(self.g_a_proj(x))
-        )
+        gate = self.g_b_proj(g_low[0]) if g_low else self.g_proj(x)
         if self._pointwise_kernels(x):
             from atom.kernels.kda_head_norms import output_norm_gate
 

@@ -15,7 +15,7 @@ from atom.model_ops.gated_mlp import GATE_UP_SHARDS
 from atom.model_ops.routed_experts import expert_checkpoint_target
 from atom.models.kimi.config import KimiTextConfig
 from atom.models.kimi.hf_names import to_checkpoint_names
-from atom.models.kimi.kda import KDA_QKV_SHARDS
+from atom.models.kimi.kda import KDA_IN_PROJ_SHARDS
 
 _LAYER = re.compile(r"^model\.layers\.(?P<i>\d+)\.")
 
@@ -37,12 +37,12 @@ def map_text_checkpoint_name(
     for part, shard in GATE_UP_SHARDS:
         if f".{part}." in name:
             return name.replace(f".{part}.", ".gate_up_proj."), shard
-    # A KDA layer multiplies q, k and v as one merged projection (an MLA layer's
-    # q_proj stays its own).
+    # A KDA layer multiplies q, k, v and the gates' low-rank halves as one merged
+    # projection (an MLA layer's q_proj stays its own).
     if layer and config.is_kda_layer(int(layer["i"])):
-        for part, shard in KDA_QKV_SHARDS:
+        for part, shard in KDA_IN_PROJ_SHARDS:
             if f".self_attn.{part}." in name:
-                return name.replace(f".{part}.", ".qkv_proj."), shard
+                return name.replace(f".{part}.", ".in_proj."), shard
     return name, None
 
 

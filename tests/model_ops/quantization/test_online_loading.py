@@ -48,7 +48,7 @@ def test_linears_and_experts_load_as_fp8_and_the_rest_in_the_model_dtype(loaded)
             assert hasattr(module, "weight_scale") == fp8, name
             quantized += [name] if fp8 else []
     kinds = {name.rsplit(".", 1)[-1] for name in quantized}
-    assert {"qkv_proj", "o_proj", "gate_up_proj", "down_proj", "experts"} <= kinds
+    assert {"in_proj", "o_proj", "gate_up_proj", "down_proj", "experts"} <= kinds
     params = dict(model.named_parameters())
     for name in ("embed_tokens.weight", "lm_head.weight", "gate.weight", "norm.weight"):
         matches = [p for n, p in params.items() if n.endswith(name)]
