@@ -12,7 +12,9 @@ five launches a layer. Here each pair reads its expert's rows directly:
   product and the weighted sum in one launch, in fp32.
 
 Both accumulate in fp32 with a broadcast multiply and a sum (`skinny_gemm.py`'s
-form); the gated activation between them stays its own kernel.
+form); the gated activation between them stays its own kernel. That form reads
+large weights more slowly than the grouped GEMM does, so no step takes this path
+yet (`grouped_experts.step_path`).
 """
 
 from __future__ import annotations

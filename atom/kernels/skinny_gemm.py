@@ -1,13 +1,15 @@
-"""y = x W^T (+ b) for a few rows of x, in Triton: the decode step's dense products.
+"""y = x W^T (+ b) for a few rows of x, in Triton: the decode step's small products.
 
 The torch reference is `torch.nn.functional.linear` in fp32. At one to a few rows a
-product is a read of W: cuBLAS picks tiles built for larger products there and
-reads W at half the memory rate or less (5-6 us for a 9 MB weight on an H100, and
-its fp32 GEMVs take a cast and two kernels). Here each program owns BLOCK_N output
-columns for every row, walks K in BLOCK_K steps, and accumulates in fp32 with a
-broadcast multiply and a sum (no tensor cores: at these shapes the bytes of W set
-the time, not the FLOPs). x and W may differ in dtype: the router's and KDA's
-write-strength products read bf16 activations against fp32 weights in one kernel.
+small product is bound by latency, not bytes: cuBLAS spends a few microseconds on a
+0.5 MB weight, and its fp32 GEMVs take a cast and two kernels more. Here each
+program owns BLOCK_N output columns for every row, walks K in BLOCK_K steps, and
+accumulates in fp32 with a broadcast multiply and a sum (no tensor cores). x and W
+may differ in dtype: the router's and KDA's write-strength products read bf16
+activations against fp32 weights in one kernel. On large weights this form reads
+W more slowly than cuBLAS (51 % of the HBM rate against 80 % on an H100), and at
+eight rows its product tile spills; `model_ops/dense_product.py` gives it small
+weights only.
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ import triton.language as tl
 
 from atom.kernels import multiprocessors
 
-# The most rows this kernel takes; beyond it cuBLAS's tiles read W once for many
-# rows and win.
+# The most rows this kernel takes: decode at small batches and a DSpark verify of
+# k = 7; beyond it cuBLAS's tiles read W once for many rows and win.
 SKINNY_MAX_ROWS = 8
 _MAX_BLOCK_N = 16
 _TILE_ELEMENTS = 8192  # [rows, BLOCK_N, BLOCK_K] products a program holds at once
