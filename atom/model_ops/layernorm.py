@@ -11,9 +11,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from atom.kernels import triton_installed
-
-_HAS_TRITON = triton_installed()
+from atom.kernels import triton_available
 
 
 def rms_norm_reference(
@@ -25,8 +23,9 @@ def rms_norm_reference(
 
 
 def use_norm_kernel(x: torch.Tensor) -> bool:
-    """Whether a norm of x runs as a Triton kernel (CUDA, no autograd)."""
-    return _HAS_TRITON and x.is_cuda and not torch.is_grad_enabled()
+    """Whether a norm of x runs as a Triton kernel (CUDA, no autograd, and not
+    turned off by `ATOM_DISABLE_TRITON`, as every other kernel honours it)."""
+    return x.is_cuda and not torch.is_grad_enabled() and triton_available(x.device)
 
 
 def rms_norm(

@@ -33,3 +33,15 @@ def test_norm_and_add_then_norm_equal_the_reference(device, dtype, weight_offset
     torch.testing.assert_close(
         out, rms_norm_reference(x + residual, weight, 1e-6, weight_offset), **tolerance
     )
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the kernel runs on CUDA")
+def test_the_disable_flag_sends_norms_to_the_reference(monkeypatch):
+    from atom.kernels import DISABLE_ENV
+    from atom.model_ops.layernorm import use_norm_kernel
+
+    x = torch.zeros(1, 8, device="cuda")
+    with torch.no_grad():
+        assert use_norm_kernel(x) == triton_available("cuda")
+        monkeypatch.setenv(DISABLE_ENV, "1")
+        assert not use_norm_kernel(x)
