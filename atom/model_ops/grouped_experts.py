@@ -11,8 +11,8 @@ multiplies one contiguous group of rows. Three paths compute the same products:
   steps included (`step_path`).
 - `gemv`: each (token, choice) pair reads its expert directly, no sort
   (`atom/kernels/expert_gemv.py`), two launches with the activation between them:
-  a step path (`step_path`) for steps of a token or two in half precision, off
-  until it reads faster than the grouped GEMM (`_GEMV_MAX_PAIRS`).
+  for a step of a token or two, asked for by name only until it reads faster than
+  the grouped GEMM (`step_path`).
 - `loop`: one `F.linear` per group, reading the group sizes on the host once (an
   old torch without `_grouped_mm`, misaligned widths, no Triton). Not capturable.
 
@@ -90,28 +90,19 @@ def _grouped_linear(
 _TRITON_DECODE_MAX_PAIRS = 1024
 
 
-# Steps of up to this many pairs take `gemv`. None do for now: its broadcast-and-sum
-# form read dense weights of this size at 0.63-0.92x cuBLAS's speed on an H100
-# (`benchmarks/bench_skinny_gemm.py`, 2026-12-06), below the grouped GEMM's 70 % of
-# the HBM rate; `benchmarks/bench_kernels.py` measures the two side by side, and
-# the bound rises once the GEMV reads faster.
-_GEMV_MAX_PAIRS = 0
-
-
-def step_path(
-    path: ExpertPath, num_pairs: int, device: torch.device, dtype: torch.dtype
-) -> ExpertPath:
+def step_path(path: ExpertPath, num_pairs: int, device: torch.device) -> ExpertPath:
     """The path one step takes: `path` (`expert_path`'s choice for the weights),
-    except that a decode-sized CUDA step swaps `grouped_mm` for `triton`, and a
-    step of a token or two in half precision takes `gemv`."""
-    if path not in CAPTURABLE_PATHS or device.type != "cuda":
-        return path
-    if not triton_available(device):
-        return path
-    half = dtype in (torch.bfloat16, torch.float16)
-    if 0 < num_pairs <= _GEMV_MAX_PAIRS and half:
-        return "gemv"
-    if path == "grouped_mm" and num_pairs <= _TRITON_DECODE_MAX_PAIRS:
+    except that a decode-sized CUDA step swaps `grouped_mm` for `triton`. No step
+    takes `gemv`: its broadcast-and-sum form read dense weights of this size at
+    0.63-0.92x cuBLAS's speed on an H100 (`benchmarks/bench_skinny_gemm.py`,
+    2026-12-06), below the grouped GEMM's 70 % of the HBM rate;
+    `benchmarks/bench_kernels.py` asks for it by name to measure the two."""
+    if (
+        path == "grouped_mm"
+        and device.type == "cuda"
+        and num_pairs <= _TRITON_DECODE_MAX_PAIRS
+        and triton_available(device)
+    ):
         return "triton"
     return path
 
@@ -196,7 +187,7 @@ def grouped_expert_mlp(
     these weights (or any path that runs on their device). `row_transform`, when
     given, maps the rows each projection reads (fp8 rounds them per token).
     """
-    if path == "gemv":  # `step_path` picks it for plain half-precision weights only
+    if path == "gemv":  # plain weights only: no row transform
         from atom.kernels.expert_gemv import expert_down_sum, expert_up
 
         ids = expert_ids.contiguous()

@@ -186,7 +186,7 @@ class FusedExperts(nn.Module):
         """This rank's partial sum_k w_k * expert_k(x), [N, D] in fp32."""
         if self.quant_method is not None:
             return self.quant_method.apply(self, x, weights, expert_ids)
-        path = step_path(self.path, expert_ids.numel(), x.device, x.dtype)
+        path = step_path(self.path, expert_ids.numel(), x.device)
         return grouped_expert_mlp(
             x, weights, expert_ids, self.w13, self.w2, self.act, path
         )

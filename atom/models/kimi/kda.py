@@ -89,10 +89,9 @@ class KimiDeltaAttention(nn.Module):
         # the same x: one product (KDA_IN_PROJ_SHARDS). The low-rank halves are
         # small (D x H) and latency-bound alone: two launches a layer fewer.
         low_rank_gate = not config.use_full_rank_gate
+        sizes = [width] * 3 + [dim] * (2 if low_rank_gate else 1)
         self.in_proj = MergedColumnParallelLinear(
-            hidden,
-            [width] * 3 + [dim] * (2 if low_rank_gate else 1),
-            replicated=frozenset({3, 4}),
+            hidden, sizes, replicated=frozenset(range(3, len(sizes)))
         )
         self.q_conv1d = ConvWeight(self.local_width, self.kernel_size)
         self.k_conv1d = ConvWeight(self.local_width, self.kernel_size)
