@@ -51,11 +51,11 @@ def tune(args: argparse.Namespace, batch: int, peak: float) -> None:
     experts, top_k, hidden, inner = args.experts, args.top_k, args.hidden, args.inner
     x = torch.randn(batch, hidden, device=dev, dtype=dtype)
     ids = torch.stack([torch.randperm(experts, device=dev)[:top_k] for _ in x])
-    order, _, ends = align_to_experts(ids, experts)
-    token_of = (order // top_k).to(torch.int32)
+    token_of, _, ends = align_to_experts(ids, experts)
+    token_of = token_of.to(torch.int32)
     w13 = torch.randn(experts, 2 * inner, hidden, device=dev, dtype=dtype) / 50
     w2 = torch.randn(experts, hidden, inner, device=dev, dtype=dtype) / 30
-    sorted_rows = torch.randn(order.numel(), inner, device=dev, dtype=dtype)
+    sorted_rows = torch.randn(token_of.numel(), inner, device=dev, dtype=dtype)
     used = int((ends.diff(prepend=ends.new_zeros(1)) > 0).sum())
     products = {
         "w13 (gather)": (x, w13, token_of),
@@ -63,7 +63,7 @@ def tune(args: argparse.Namespace, batch: int, peak: float) -> None:
     }
     for name, (rows, weight, source) in products.items():
         moved = used * weight[0].numel() * weight.element_size()
-        default = default_tiles(order.numel(), experts, dtype, fp8=False)
+        default = default_tiles(token_of.numel(), experts, dtype, fp8=False)
         timed = []
         for tiles in [default, *candidates(default.block_m)]:
             try:

@@ -120,6 +120,11 @@ def _expert_gemm_kernel(
     )
 
 
+# Tile height -> (expert of each tile, first sorted row of each tile), built from one
+# step's groups (`expert_tiles_triton`).
+TileLists = dict[int, tuple[torch.Tensor, torch.Tensor]]
+
+
 @dataclass(frozen=True)
 class GemmTiles:
     """BLOCK_M x BLOCK_N output tiles over BLOCK_K slices, with Triton's num_warps
@@ -225,10 +230,12 @@ def _launch(
     scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     decode: bool = False,
     tiles: GemmTiles | None = None,
+    tile_lists: TileLists | None = None,
 ) -> torch.Tensor:
     """Fill `out` [M, N] with the grouped product; `scales` (row scales [rows, 1],
     weight scales [E, N, 1]) mark fp8 operands, which `decode` reads as bits;
-    `tiles` None takes `default_tiles`."""
+    `tiles` None takes `default_tiles`; `tile_lists` keeps the tile list built
+    from these groups for the next product over them."""
     num_rows = out.shape[0]
     num_experts, n, k = weight.shape
     if num_rows == 0:
@@ -236,7 +243,12 @@ def _launch(
     if tiles is None:
         tiles = default_tiles(num_rows, num_experts, rows.dtype, scales is not None)
     group_ends = group_ends.to(torch.int32)
-    tile_expert, tile_row = expert_tiles_triton(group_ends, num_rows, tiles.block_m)
+    tile_lists = {} if tile_lists is None else tile_lists
+    if tiles.block_m not in tile_lists:
+        tile_lists[tiles.block_m] = expert_tiles_triton(
+            group_ends, num_rows, tiles.block_m
+        )
+    tile_expert, tile_row = tile_lists[tiles.block_m]
     if decode:
         # Triton has no e4m3 type on these devices: pass the bits.
         rows, weight = rows.view(torch.uint8), weight.view(torch.uint8)
@@ -278,17 +290,28 @@ def expert_gemm(
     group_ends: torch.Tensor,
     row_source: torch.Tensor | None = None,
     tiles: GemmTiles | None = None,
+    tile_lists: TileLists | None = None,
 ) -> torch.Tensor:
     """out [M, N] with out[r] = rows[src(r)] @ weight[e(r)].T, in rows' dtype.
 
     weight [E, N, K]; group_ends [E] int (cumulative group sizes over the M sorted
     rows); row_source [M] the row of `rows` each sorted row reads (None: itself).
     fp32 operands multiply in full fp32 (no tf32) so fp32 models stay exact.
+    `tile_lists`, shared by the products over one set of groups, builds their tile
+    list once.
     """
     num_rows = row_source.shape[0] if row_source is not None else rows.shape[0]
     rows = rows.contiguous()
     out = rows.new_empty(num_rows, weight.shape[1])
-    return _launch(rows, weight.contiguous(), group_ends, row_source, out, tiles=tiles)
+    return _launch(
+        rows,
+        weight.contiguous(),
+        group_ends,
+        row_source,
+        out,
+        tiles=tiles,
+        tile_lists=tile_lists,
+    )
 
 
 def fp8_dot_native(device: torch.device) -> bool:
@@ -310,6 +333,7 @@ def fp8_expert_gemm(
     row_source: torch.Tensor | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
     decode: bool | None = None,
+    tile_lists: TileLists | None = None,
 ) -> torch.Tensor:
     """`expert_gemm` of e4m3 operands: out[r] = (codes[src(r)] * row_scale[src(r)])
     @ (weight[e] * weight_scale[e]).T, in `out_dtype`.
@@ -317,6 +341,7 @@ def fp8_expert_gemm(
     codes [rows, K] and row_scale [rows, 1] as `quantize_rows` gives them; weight
     [E, N, K] e4m3 with weight_scale [E, N, 1] fp32. `decode` forces the fp16
     decoding (True) or the e4m3 dot (False); None picks by device (module docstring).
+    `tile_lists` as `expert_gemm` takes it.
     """
     num_rows = row_source.shape[0] if row_source is not None else codes.shape[0]
     if decode is None:
@@ -331,4 +356,5 @@ def fp8_expert_gemm(
         out,
         scales,
         decode,
+        tile_lists=tile_lists,
     )

@@ -2,11 +2,12 @@
 expert, in one launch.
 
 The torch reference is `atom.model_ops.grouped_experts.align_to_experts`: a stable
-argsort of the flat expert ids, per-expert counts, their running sum and the inverse
-permutation, about seven kernels per MoE layer. Here one program walks the ids in
-chunks: it counts the experts, then places each pair at its expert's start plus the
-number of earlier pairs of that expert (the stable order). Its work grows with pairs x experts, so it serves decode-sized steps;
-the reference's caller sends larger ones to torch.
+argsort of the flat expert ids, per-expert counts, their running sum, the inverse
+permutation and each sorted row's token, about eight kernels per MoE layer. Here one
+program walks the ids in chunks: it counts the experts, then places each pair at its
+expert's start plus the number of earlier pairs of that expert (the stable order).
+Its work grows with pairs x experts, so it serves decode-sized steps; the
+reference's caller sends larger ones to torch.
 """
 
 from __future__ import annotations
@@ -21,10 +22,11 @@ from atom.kernels import rows_per_chunk
 @triton.jit
 def _align_kernel(
     ids_ptr,
-    order_ptr,
+    token_of_ptr,
     position_ptr,
     group_ends_ptr,
     num_pairs,
+    pairs_per_token,
     num_experts,
     BLOCK_N: tl.constexpr,
     BLOCK_E: tl.constexpr,
@@ -48,29 +50,30 @@ def _align_kernel(
         before = tl.cumsum(hits, axis=0) - hits + next_row[None, :]
         row = tl.sum(hits * before, axis=1)
         tl.store(position_ptr + first + pairs, row, mask=inside)
-        tl.store(order_ptr + row, first + pairs, mask=inside)
+        tl.store(token_of_ptr + row, (first + pairs) // pairs_per_token, mask=inside)
         next_row += tl.sum(hits, axis=0)
 
 
 def align_to_experts_triton(
     expert_ids: torch.Tensor, num_experts: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(order, position, group_ends), int32, for the flat ids [N]: the reference's
+    """(token_of, position, group_ends), int32, for the ids [T, k]: the reference's
     contract (`grouped_experts.align_to_experts`)."""
     ids = expert_ids.reshape(-1)
     num_pairs = ids.numel()
-    order = torch.empty(num_pairs, dtype=torch.int32, device=ids.device)
-    position = torch.empty_like(order)
+    token_of = torch.empty(num_pairs, dtype=torch.int32, device=ids.device)
+    position = torch.empty_like(token_of)
     group_ends = torch.empty(num_experts, dtype=torch.int32, device=ids.device)
     block_e = triton.next_power_of_2(num_experts)
     _align_kernel[(1,)](
         ids,
-        order,
+        token_of,
         position,
         group_ends,
         num_pairs,
+        expert_ids.shape[-1],
         num_experts,
         BLOCK_N=rows_per_chunk(block_e),
         BLOCK_E=block_e,
     )
-    return order, position, group_ends
+    return token_of, position, group_ends

@@ -23,6 +23,7 @@ the fp8 experts (`quantization/ptpc_fp8.py`) share them with `grouped_expert_mlp
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -59,16 +60,19 @@ def grouped_mm_supported(device: torch.device, dtype: torch.dtype, *dims: int) -
 def _grouped_linear(
     rows: torch.Tensor,
     weight: torch.Tensor,
-    group_ends: torch.Tensor,
+    groups: ExpertGroups,
     path: ExpertPath,
     row_source: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """out[r] = rows[row_source[r]] @ weight[e].T for sorted row r of group e, where
     group e is [end_{e-1}, end_e); row_source None means rows are already sorted."""
+    group_ends = groups.ends
     if path == "triton":
         from atom.kernels.expert_gemm import expert_gemm
 
-        return expert_gemm(rows, weight, group_ends, row_source)
+        return expert_gemm(
+            rows, weight, group_ends, row_source, tile_lists=groups.tile_lists
+        )
     if row_source is not None:
         rows = rows[row_source]
     if path == "grouped_mm":
@@ -120,12 +124,14 @@ def expert_path(w13: torch.Tensor, w2: torch.Tensor) -> ExpertPath:
 def align_to_experts(
     expert_ids: torch.Tensor, num_experts: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(order, position, group_ends) of the (token, choice) pairs sorted by expert.
+    """(token_of, position, group_ends) of the (token, choice) pairs of
+    expert_ids [T, k] sorted by expert.
 
-    order [N]: the flat pair (token * k + choice) at each sorted row, stable, so
-    pairs of one expert keep their token order; position [N]: its inverse, the
-    sorted row of each pair; group_ends [E] int32: the cumulative group sizes. On
-    CUDA a decode-sized step takes one Triton launch (`kernels/moe_align.py`).
+    token_of [T*k]: the token of the pair at each sorted row, in a stable order, so
+    pairs of one expert keep their token order; position [T*k]: the sorted row of
+    each flat pair (token * k + choice); group_ends [E] int32: the cumulative group
+    sizes. On CUDA a decode-sized step takes one Triton launch
+    (`kernels/moe_align.py`).
     """
     flat_ids = expert_ids.reshape(-1)
     if (
@@ -135,20 +141,37 @@ def align_to_experts(
     ):
         from atom.kernels.moe_align import align_to_experts_triton
 
-        return align_to_experts_triton(flat_ids, num_experts)
+        return align_to_experts_triton(expert_ids, num_experts)
     order = flat_ids.argsort(stable=True)
     # A scatter, not bincount: CUDA's bincount reads its input's max on the host.
     counts = torch.zeros(num_experts, dtype=torch.int32, device=flat_ids.device)
     counts.index_add_(0, flat_ids, torch.ones_like(flat_ids, dtype=torch.int32))
     position = torch.empty_like(order)
     position[order] = torch.arange(order.numel(), device=order.device)
-    return order, position, counts.cumsum(0, dtype=torch.int32)
+    token_of = order // expert_ids.shape[-1]
+    return token_of, position, counts.cumsum(0, dtype=torch.int32)
 
 
-# One projection of every routed row: (rows, group_ends, row_source) -> the sorted
+@dataclass
+class ExpertGroups:
+    """One step's rows sorted by expert: group e is rows [ends[e-1], ends[e]).
+
+    `tile_lists` keeps the grouped GEMM's tile list per tile height
+    (`kernels/expert_gemm.py` fills it), so the two products of an expert MLP, which
+    share the groups, build it once. It lives for one forward, so a CUDA graph
+    captures the launch that fills it.
+    """
+
+    ends: torch.Tensor
+    tile_lists: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(
+        default_factory=dict
+    )
+
+
+# One projection of every routed row: (rows, groups, row_source) -> the sorted
 # rows' outputs, as `_grouped_linear` defines them.
 GroupedProduct = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor
+    [torch.Tensor, ExpertGroups, torch.Tensor | None], torch.Tensor
 ]
 
 
@@ -164,9 +187,9 @@ def routed_mlp(
     """sum_k routing_weights[:, k] * down(act(up(x))) for expert ids[:, k], as
     [N, D] fp32: the sort by expert and the combine around two grouped products
     (`up` reads x through the sorted rows' tokens), whatever form the weights take."""
-    order, position, group_ends = align_to_experts(expert_ids, num_experts)
-    token_of = order // expert_ids.shape[1]
-    y = down(act(up(x, group_ends, token_of)), group_ends, None)
+    token_of, position, group_ends = align_to_experts(expert_ids, num_experts)
+    groups = ExpertGroups(group_ends)
+    y = down(act(up(x, groups, token_of)), groups, None)
     return combine_expert_rows(y, position, routing_weights)
 
 
@@ -196,8 +219,8 @@ def grouped_expert_mlp(
     transform = row_transform or (lambda rows: rows)
 
     def product(weight: torch.Tensor) -> GroupedProduct:
-        return lambda rows, group_ends, row_source: _grouped_linear(
-            transform(rows), weight, group_ends, path, row_source
+        return lambda rows, groups, row_source: _grouped_linear(
+            transform(rows), weight, groups, path, row_source
         )
 
     return routed_mlp(

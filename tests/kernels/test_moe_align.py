@@ -27,9 +27,9 @@ def test_alignment_equals_the_reference(device, tokens, top_k, experts):
     from atom.kernels.moe_align import align_to_experts_triton
 
     ids = skewed_ids(tokens, top_k, experts)
-    order, position, ends = align_to_experts_triton(ids.to(device), experts)
-    ref_order, ref_position, ref_ends = align_to_experts(ids, experts)
-    assert torch.equal(order.cpu().long(), ref_order)
+    token_of, position, ends = align_to_experts_triton(ids.to(device), experts)
+    ref_token_of, ref_position, ref_ends = align_to_experts(ids, experts)
+    assert torch.equal(token_of.cpu().long(), ref_token_of)
     assert torch.equal(position.cpu().long(), ref_position)
     assert torch.equal(ends.cpu(), ref_ends)
 

@@ -9,9 +9,11 @@ import torch.nn.functional as F
 
 from atom.kernels import triton_available
 from atom.model_ops.grouped_experts import (
+    _grouped_linear,
     expert_path,
     grouped_expert_mlp,
     grouped_mm_supported,
+    routed_mlp,
     step_path,
 )
 
@@ -71,6 +73,38 @@ def test_every_expert_path_equals_the_direct_sum(device, dtype, path, num_tokens
     assert out.dtype == torch.float32
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(out.cpu().double(), expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.kernels
+def test_both_products_of_an_expert_mlp_read_one_tile_list():
+    """The Triton products over one step's groups build the tile list once."""
+    if not triton_available("cpu"):
+        pytest.skip("triton cannot run here")
+    gen = torch.Generator().manual_seed(0)
+    experts, hidden, inner, top_k, tokens = 6, 40, 24, 2, 5
+    x = torch.randn(tokens, hidden, generator=gen)
+    w13 = torch.randn(experts, 2 * inner, hidden, generator=gen) / hidden**0.5
+    w2 = torch.randn(experts, hidden, inner, generator=gen) / inner**0.5
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in x])
+    weights = torch.rand(tokens, top_k, generator=gen)
+    seen = []
+
+    def product(weight):
+        def run(rows, groups, row_source):
+            out = _grouped_linear(rows, weight, groups, "triton", row_source)
+            seen.append((groups, dict(groups.tile_lists)))
+            return out
+
+        return run
+
+    out = routed_mlp(x, weights, ids, experts, product(w13), product(w2), silu_and_mul)
+    (groups_up, lists_up), (groups_down, lists_down) = seen
+    assert groups_up is groups_down and len(lists_up) == 1
+    ((height, tile_list),) = lists_up.items()
+    assert lists_down[height] is tile_list
+    torch.testing.assert_close(
+        out.double(), direct(x, weights, ids, w13, w2), atol=1e-4, rtol=1e-4
+    )
 
 
 def test_misaligned_widths_fall_back_to_the_loop():

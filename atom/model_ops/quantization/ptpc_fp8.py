@@ -29,6 +29,7 @@ from torch import nn
 
 from atom.kernels import triton_available
 from atom.model_ops.grouped_experts import (
+    ExpertGroups,
     GroupedProduct,
     expert_path,
     grouped_expert_mlp,
@@ -169,7 +170,7 @@ def fp8_expert_mlp(
 
         def gemm(
             rows: torch.Tensor,
-            group_ends: torch.Tensor,
+            groups: ExpertGroups,
             row_source: torch.Tensor | None,
         ) -> torch.Tensor:
             codes, scale = quantize_activations(rows)
@@ -178,10 +179,11 @@ def fp8_expert_mlp(
                 scale,
                 weight,
                 weight_scale,
-                group_ends,
+                groups.ends,
                 row_source,
                 out_dtype=x.dtype,
                 decode=decode,
+                tile_lists=groups.tile_lists,
             )
 
         return gemm
