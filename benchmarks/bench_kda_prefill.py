@@ -68,12 +68,12 @@ def measure(heads: int, dim: int, batch: int, rows: int, iters: int) -> tuple:
     ssm = StateSlots(
         torch.zeros(batch + 1, heads, dim, dim, device=device),
         metadata.state_slots,
-        metadata.fresh,
+        metadata.context_lens,
     )
     conv = StateSlots(
         torch.zeros(batch + 1, 3 * width, 3, dtype=mixed.dtype, device=device),
         metadata.state_slots,
-        metadata.fresh,
+        metadata.context_lens,
     )
 
     def split(conved):

@@ -134,14 +134,14 @@ def bench_kda(batch: int, iters: int) -> None:
     g = -torch.rand(batch, 1, KDA_HEADS, KDA_DIM, device=dev)
     beta = torch.rand(batch, 1, KDA_HEADS, device=dev)
     pool = torch.randn(batch, KDA_HEADS, KDA_DIM, KDA_DIM, device=dev) * 0.1
-    states = StateSlots(pool, metadata.state_slots, metadata.fresh)
+    states = StateSlots(pool, metadata.state_slots, metadata.context_lens)
     triton = select_kda_backend(dev, "triton")
     ours = time_us(lambda: triton.decode(q, k, v, g, beta, states), iters)
     reference = time_us(lambda: torch_decode(q, k, v, g, beta, states), iters)
     report("kda decode", batch, ours, reference, 2 * pool.numel() * 4)
     conv_pool = torch.randn(batch, 3 * width, CONV_WIDTH - 1, device=dev, dtype=bf16)
     weight = torch.randn(3 * width, CONV_WIDTH, device=dev)
-    conv = StateSlots(conv_pool, metadata.state_slots, metadata.fresh)
+    conv = StateSlots(conv_pool, metadata.state_slots, metadata.context_lens)
     ours = time_us(lambda: triton.conv_decode(mixed, weight, conv, metadata), iters)
     reference = time_us(lambda: torch_conv_decode(mixed, weight, conv, metadata), iters)
     moved = 2 * conv_pool.numel() * 2 + 2 * mixed.numel() * 2

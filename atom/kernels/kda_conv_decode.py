@@ -41,7 +41,7 @@ def _conv_decode_kernel(
     pool_ptr,
     snap_ptr,
     slot_ptr,
-    fresh_ptr,
+    context_lens_ptr,
     start_ptr,
     rows,
     channels,
@@ -59,7 +59,7 @@ def _conv_decode_kernel(
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     c_ok = c < channels
     slot = tl.load(slot_ptr + seq).to(tl.int64)
-    fresh = tl.load(fresh_ptr + seq) != 0
+    fresh = tl.load(context_lens_ptr + seq) == 0
     state_base = pool_ptr + slot * stride_pool
     x_base = x_ptr + seq.to(tl.int64) * stride_xb
     length = tl.load(start_ptr + seq + 1) - tl.load(start_ptr + seq)
@@ -91,13 +91,13 @@ def kda_conv_decode_in_pool(
     weight: torch.Tensor,
     pool: torch.Tensor,
     slots: torch.Tensor,
-    fresh: torch.Tensor,
+    context_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     snapshots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """SiLU(causal depthwise conv) of x [B, T, C] (padded rows after each sequence's
     query_start_loc length) as [B, T, C] in x.dtype, continuing each sequence's
-    history pool[slots] ([S, C, K-1], zeros where `fresh`); pool[slots] then holds
+    history pool[slots] ([S, C, K-1], zeros where `context_lens` [B] is 0); pool[slots] then holds
     the last K-1 inputs of each sequence, and snapshots[slots, t] ([S, R, C, K-1])
     the history after row t when given. weight [C, K]."""
     batch, rows, channels = x.shape
@@ -122,7 +122,7 @@ def kda_conv_decode_in_pool(
         pool,
         snap,
         slots,
-        fresh,
+        context_lens,
         query_start_loc,
         rows,
         channels,

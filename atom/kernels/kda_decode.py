@@ -29,7 +29,7 @@ def _kda_decode_kernel(
     pool_ptr,
     snap_ptr,
     slot_ptr,
-    fresh_ptr,
+    context_lens_ptr,
     rows,
     heads,
     scale,
@@ -62,7 +62,7 @@ def _kda_decode_kernel(
     v_rows = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     keys = tl.arange(0, KEY_DIM)
     slot = tl.load(slot_ptr + seq).to(tl.int64)
-    fresh = tl.load(fresh_ptr + seq) != 0
+    fresh = tl.load(context_lens_ptr + seq) == 0
     tile = v_rows[:, None] * KEY_DIM + keys[None, :]
     head_offset = head * VALUE_DIM * KEY_DIM
     state = tl.load(pool_ptr + slot * stride_pool + head_offset + tile)
@@ -113,15 +113,16 @@ def kda_decode_in_pool(
     beta: torch.Tensor,
     pool: torch.Tensor,
     slots: torch.Tensor,
-    fresh: torch.Tensor,
+    context_lens: torch.Tensor,
     snapshots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """o [B, T, h, Dv] fp32; pool[slots] ([S, h, Dv, Dk] fp32) now holds each
     sequence's state after its T rows, and snapshots[slots, t] ([S, R, h, Dv, Dk])
     the state after row t when given. q, k, g [B, T, h, Dk] (q, k L2-normalised, g
     the log-decay), v [B, T, h, Dv], beta [B, T, h], in any float dtype and
-    strides; `fresh` [B] bool starts a sequence from
-    zeros. Slots must be distinct, but for the scratch slot of graph padding."""
+    strides; a sequence whose `context_lens` [B] entry is 0
+    starts from zeros. Slots must be distinct, but for the scratch slot of graph padding.
+    """
     batch, rows, heads, key_dim = k.shape
     value_dim = v.shape[3]
     expected = (heads, value_dim, key_dim)
@@ -151,7 +152,7 @@ def kda_decode_in_pool(
         pool,
         snap,
         slots,
-        fresh,
+        context_lens,
         rows,
         heads,
         key_dim**-0.5,

@@ -33,10 +33,17 @@ class StateSlots:
 
     pool: torch.Tensor  # [S, ...]: recurrent [S, h, Dv, Dk] fp32, conv [S, C, K-1]
     slots: torch.Tensor  # [B] long
-    fresh: torch.Tensor  # [B] bool: starts from a zero state
+    # [B] tokens cached before this step; a sequence at 0 starts from a zero state
+    # (the decode kernels read it as it is, with no mask formed per layer).
+    context_lens: torch.Tensor
     # [S, R, ...]: on a verify step, the state after every row is kept here
     # for the commit of the accepted prefix; None on plain decode.
     snapshots: torch.Tensor | None = None
+
+    @property
+    def fresh(self) -> torch.Tensor:
+        """[B] bool: the sequence starts from a zero state."""
+        return self.context_lens == 0
 
     def gather(self) -> torch.Tensor:
         """[B, ...] start states (zeros for fresh sequences)."""
@@ -233,7 +240,7 @@ class TritonKDABackend:
             weight,
             states.pool,
             states.slots,
-            states.fresh,
+            states.context_lens,
             metadata.query_start_loc,
             states.snapshots,
         )
@@ -250,7 +257,7 @@ class TritonKDABackend:
             beta,
             states.pool,
             states.slots,
-            states.fresh,
+            states.context_lens,
             states.snapshots,
         )
 

@@ -47,13 +47,6 @@ class AttentionMetadata:
     pad_index: torch.Tensor | None = None
     unpad_index: torch.Tensor | None = None
 
-    @property
-    def fresh(self) -> torch.Tensor:
-        """[B] bool: the sequence starts here, from a zero recurrent state. Formed
-        afresh on every read: a cached tensor would be formed once in a graph's
-        warm-up run and replayed stale (seen on an H100, 2026-12-06)."""
-        return self.context_lens == 0
-
     def pad(self, rows: torch.Tensor) -> torch.Tensor:
         """[N, ...] flat rows -> [B, max_query_len, ...] (zeros after each sequence)."""
         if self.query_len:

@@ -46,13 +46,17 @@ def test_kernel_updates_the_pool_as_the_torch_decode_does(device, rows, verify):
     pool = torch.randn(num_slots, heads, dim, dim, generator=gen, device=device)
     snapshots = torch.zeros(num_slots, 5, heads, dim, dim, device=device)
     slots = torch.tensor([4, 0, 2], device=device)
-    fresh = torch.tensor([False, True, False], device=device)
+    context_lens = torch.tensor([4, 0, 9], dtype=torch.int32, device=device)
     pools = [pool.clone(), pool.clone()]
     snaps = [snapshots.clone(), snapshots.clone()] if verify else [None, None]
     triton = select_kda_backend(device, "triton")
     assert triton.name == "triton"
-    o = triton.decode(q, k, v, g, beta, StateSlots(pools[0], slots, fresh, snaps[0]))
-    o_ref = torch_decode(q, k, v, g, beta, StateSlots(pools[1], slots, fresh, snaps[1]))
+    o = triton.decode(
+        q, k, v, g, beta, StateSlots(pools[0], slots, context_lens, snaps[0])
+    )
+    o_ref = torch_decode(
+        q, k, v, g, beta, StateSlots(pools[1], slots, context_lens, snaps[1])
+    )
     torch.testing.assert_close(o, o_ref, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(pools[0], pools[1], rtol=1e-4, atol=1e-4)
     # Slots no sequence names are left alone.
@@ -105,15 +109,15 @@ def test_conv_kernel_updates_the_pool_as_the_torch_conv_does(device, lengths, ve
         num_slots, 5, channels, width - 1, dtype=dtype, device=device
     )
     slots = torch.tensor([4, 0, 2], device=device)
-    fresh = torch.tensor([False, True, False], device=device)
+    context_lens = torch.tensor([4, 0, 9], dtype=torch.int32, device=device)
     pools = [pool.clone(), pool.clone()]
     snaps = [snapshots.clone(), snapshots.clone()] if verify else [None, None]
     triton = select_kda_backend(device, "triton")
     y = triton.conv_decode(
-        mixed, weight, StateSlots(pools[0], slots, fresh, snaps[0]), metadata
+        mixed, weight, StateSlots(pools[0], slots, context_lens, snaps[0]), metadata
     )
     y_ref = torch_conv_decode(
-        mixed, weight, StateSlots(pools[1], slots, fresh, snaps[1]), metadata
+        mixed, weight, StateSlots(pools[1], slots, context_lens, snaps[1]), metadata
     )
     tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else {}
     real = metadata.unpad  # rows past a sequence's length are padding

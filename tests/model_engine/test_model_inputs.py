@@ -44,7 +44,7 @@ def test_ragged_rows_pad_and_unpad():
     ]
     ids, _, md = prepare_inputs(seqs, block_size=4, device="cpu")
     assert md.query_len == 0 and md.max_query_len == 3 and not md.all_fresh
-    assert md.fresh.tolist() == [True, False, True]
+    assert md.context_lens.tolist() == [0, 4, 0]
     padded = md.pad(ids)
     assert padded.tolist() == [[5, 6, 7], [8, 0, 0], [9, 1, 0]]
     assert torch.equal(md.unpad(padded), ids)

@@ -78,12 +78,14 @@ def test_torch_backend_runs_chunked_prefill_and_token_decode():
     # Decode works in the pool: slots 3 and 1 of 4, the first sequence fresh.
     pool = torch.randn(4, 2, 4, 8, generator=gen)
     snapshots = torch.zeros(4, 9, 2, 4, 8)
-    slots, fresh = torch.tensor([3, 1]), torch.tensor([True, False])
+    slots, context_lens = torch.tensor([3, 1]), torch.tensor([0, 7], dtype=torch.int32)
     start = torch.stack([torch.zeros(2, 4, 8), pool[1]])
     o_ref, final_ref, rows_ref = recurrent_kda(
         q, k, v, g, beta, start, return_all_states=True
     )
-    o = backend.decode(q, k, v, g, beta, StateSlots(pool, slots, fresh, snapshots))
+    o = backend.decode(
+        q, k, v, g, beta, StateSlots(pool, slots, context_lens, snapshots)
+    )
     assert torch.equal(o, o_ref) and torch.equal(pool[slots], final_ref)
     assert torch.equal(snapshots[slots], rows_ref)
 
@@ -116,10 +118,15 @@ def test_fla_backend_matches_torch_on_cuda():
     one = (slice(None), slice(None, 1))
     pools = [state.clone(), state.clone()]
     slots = torch.arange(seqs, device="cuda")
-    fresh = torch.zeros(seqs, dtype=torch.bool, device="cuda")
+    context_lens = torch.full((seqs,), 5, dtype=torch.int32, device="cuda")
     o, o_ref = (
         backend.decode(
-            q[one], k[one], v[one], g[one], beta[one], StateSlots(pool, slots, fresh)
+            q[one],
+            k[one],
+            v[one],
+            g[one],
+            beta[one],
+            StateSlots(pool, slots, context_lens),
         )
         for backend, pool in zip((fla, reference), pools)
     )

@@ -247,10 +247,10 @@ class KimiDeltaAttention(nn.Module):
         state after every row, for commit(num_rows) to choose from.
         """
         metadata = require_metadata(f"KDA layer {self.prefix!r}")
-        slots, fresh = metadata.state_slots, metadata.fresh
+        slots, context_lens = metadata.state_slots, metadata.context_lens
         batch, rows = mixed.shape[:2]
-        ssm = StateSlots(self.ssm_state, slots, fresh)
-        conv = StateSlots(self.conv_state, slots, fresh)
+        ssm = StateSlots(self.ssm_state, slots, context_lens)
+        conv = StateSlots(self.conv_state, slots, context_lens)
         # Decode, verify and prefills the backend finds small enough run row by row
         # in the state pools; larger prefills run its chunked prefill.
         decode = metadata.keeps_row_states or self._backend.runs_as_decode(batch, rows)
