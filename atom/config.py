@@ -254,8 +254,9 @@ class EngineSettings:
     # (model_engine/prefill_pacer.py); 0 admits it at once.
     scheduler_delay_factor: float = 0.0
     # Overlap the host's work on one step with the device's on the next
-    # (model_engine/run_ahead.py); tp = pp = 1 without speculation or P/D.
-    async_scheduling: bool = False
+    # (model_engine/run_ahead.py); tp = pp = 1 without speculation or P/D. None: on
+    # wherever it runs on a GPU (on CPU the host is the device: nothing overlaps).
+    async_scheduling: bool | None = None
     # Capture decode steps as CUDA graphs (CUDA only); True runs every step eagerly.
     enforce_eager: bool = False
     # Batch sizes to capture; None: the default ladder up to max_num_seqs.
@@ -353,15 +354,15 @@ class Config(EngineSettings):
                 setattr(self, name, value)
         # Building them validates the rank layout, the nodes and every limit.
         _ = self.parallel_config, self.node_layout
+        self._resolve_async_scheduling()
         self.limits = self._build_limits()
         self._validate_parallel(text)
-        self._check_async_scheduling()
 
-    def _check_async_scheduling(self) -> None:
+    def _resolve_async_scheduling(self) -> None:
         """Async scheduling fills a step's inputs from the previous step's tokens on
-        the same device, and keeps one draft-free step ahead."""
-        if not self.async_scheduling:
-            return
+        the same device, and keeps one draft-free step ahead. Asked for, it refuses
+        a setting it cannot run with; left at None, it runs wherever it can on a
+        GPU."""
         conflicts = []
         if self.parallel_config.world_size > 1:
             conflicts.append(
@@ -372,7 +373,9 @@ class Config(EngineSettings):
             conflicts.append(f"speculative method {self.method!r}")
         if self.kv_transfer is not None:
             conflicts.append(f"kv_role {self.kv_role!r} (P/D)")
-        if conflicts:
+        if self.async_scheduling is None:
+            self.async_scheduling = not conflicts and self.torch_device.type == "cuda"
+        elif self.async_scheduling and conflicts:
             raise ValueError(
                 "async_scheduling does not run with " + "; ".join(conflicts)
             )
@@ -426,6 +429,7 @@ class Config(EngineSettings):
             f"pp layer partition {partition}, KDA backend {self.kda_backend}, "
             f"attention backend {self.attention_backend}, "
             f"kv cache dtype {self.kv_cache_dtype}, "
+            f"async scheduling {'on' if self.async_scheduling else 'off'}, "
             f"{self.quantization.describe()}"
         )
 

@@ -371,8 +371,8 @@ def atom_engine_kwargs(args: argparse.Namespace, batch_sizes: list[int]) -> dict
         online_quant_config=args.online_quant_config,
         kv_cache_dtype=args.kv_cache_dtype,
     )
-    if args.async_scheduling:
-        kwargs["async_scheduling"] = True
+    if args.async_scheduling is not None:
+        kwargs["async_scheduling"] = args.async_scheduling
     if args.enforce_eager:
         accepted = {field.name for field in dataclasses.fields(Config)}
         if "enforce_eager" not in accepted:
@@ -482,8 +482,9 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument(
         "--async-scheduling",
-        action="store_true",
-        help="atom: schedule each step while the GPU runs the one before",
+        action=argparse.BooleanOptionalAction,
+        help="atom: schedule each step while the GPU runs the one before (default:"
+        " the engine's, on where it runs on a GPU)",
     )
     parser.add_argument(
         "--online-quant-config",

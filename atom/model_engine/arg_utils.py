@@ -250,7 +250,8 @@ class EngineArgs(EngineSettings):
             action=argparse.BooleanOptionalAction,
             default=defaults.async_scheduling,
             help="schedule and prepare the next step while the device runs this "
-            "one (tp = pp = 1, without speculation or P/D)",
+            "one (tp = pp = 1, without speculation or P/D; default: on where it "
+            "runs on a GPU)",
         )
         parser.add_argument(
             "--gpu-memory-utilization",

@@ -120,3 +120,25 @@ def test_async_scheduling_refuses_what_it_cannot_run(setting, named):
     with pytest.raises(ValueError, match="async_scheduling does not run with") as err:
         Config(model=MODEL, device="cpu", async_scheduling=True, **setting)
     assert named in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "device, setting, expected",
+    [
+        ("cpu", {}, False),  # the host is the device: nothing to overlap
+        ("cuda", {}, True),
+        ("cuda", dict(tensor_parallel_size=2), False),
+        ("cuda", dict(method="dspark", draft_model="tiny-kimi-k3-dspark"), False),
+    ],
+)
+def test_async_scheduling_left_unset_runs_wherever_it_can_on_a_gpu(
+    device, setting, expected
+):
+    """A Config only resolves settings (no device is touched), so the GPU cases
+    hold on CPU too."""
+    config = Config(model=MODEL, device=device, **setting)
+    assert config.async_scheduling is expected
+    assert config.limits.async_scheduling is expected
+    assert f"async scheduling {'on' if expected else 'off'}" in (
+        config.describe_settings()
+    )
