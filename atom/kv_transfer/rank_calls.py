@@ -56,7 +56,7 @@ def bootstrap_drafts(
     """
     if runner.proposer is None:
         return None
-    sampling = SamplingMetadata.from_works(works, runner.device)
+    sampling = SamplingMetadata.from_works(works, runner.device, drafts_next=True)
     anchor_ids = torch.tensor(anchors, dtype=torch.long, device=runner.device)
     drafts = runner.proposer.propose(
         anchor_ids, sampling.positions, sampling.spec.block_tables, sampling

@@ -201,25 +201,23 @@ class BlockManager:
         seq.num_cached_tokens = 0
         seq.num_hashed_blocks = 0
 
-    def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
-        needed = self.num_blocks_for(seq.num_tokens + num_new_tokens)
-        return needed - len(seq.block_table) <= self.num_free_blocks
-
-    def may_append(self, seq: Sequence, num_new_tokens: int) -> None:
-        """Cover positions up to num_tokens-1+num_new_tokens; cache full blocks.
+    def try_append(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Cover positions up to num_tokens-1+num_new_tokens and cache full blocks,
+        or return False, changing nothing, when too few blocks are free. One
+        test and one count: this runs per sequence per decode step.
 
         Speculative rows need slots before acceptance is known; blocks past the
         committed length stay with the sequence and are simply overwritten later.
         """
-        # can_append's test, its block count computed once (this runs per sequence
-        # per decode step).
-        needed = self.num_blocks_for(seq.num_tokens + num_new_tokens)
-        missing = needed - len(seq.block_table)
-        if missing > self.num_free_blocks:
-            raise RuntimeError(f"not enough free KV blocks for sequence {seq.seq_id}")
+        missing = self.num_blocks_for(seq.num_tokens + num_new_tokens) - len(
+            seq.block_table
+        )
+        if missing > len(self.free_block_ids):
+            return False
         for _ in range(missing):
             seq.block_table.append(self._take_free_block())
         self.cache_full_blocks(seq, seq.num_tokens)
+        return True
 
     def cache_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
         """Register the blocks lying entirely within seq's first num_tokens tokens.

@@ -359,7 +359,9 @@ class ModelRunner:
         )
         if not batch.produces_output:
             return None
-        sampling = SamplingMetadata.from_works(batch.work, self.device)
+        sampling = SamplingMetadata.from_works(
+            batch.work, self.device, drafts_next=self.proposer is not None
+        )
         logits = self.model.compute_logits(hidden[sampling.logit_rows])
         sampled = self.step_sampler.launch(logits, sampling)
         self.sampled = SampledTokens(batch, sampled.emitted)

@@ -436,7 +436,7 @@ class Scheduler:
         token) and the drafter's block rows, preempting the latest admitted
         sequences if needed; False if seq itself was preempted."""
         num_new = num_rows + self.limits.num_speculative_tokens
-        while not self.block_manager.can_append(seq, num_new):
+        while not self.block_manager.try_append(seq, num_new):
             victims = [
                 s for s in self.running if s is not seq and s.seq_id not in taken
             ]
@@ -444,7 +444,6 @@ class Scheduler:
                 self._preempt(seq)
                 return False
             self._preempt(victims[-1])
-        self.block_manager.may_append(seq, num_new)
         return True
 
     def _preempt(self, seq: Sequence) -> None:

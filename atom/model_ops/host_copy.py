@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections.abc import Sequence
 
 import torch
@@ -27,19 +29,23 @@ def hosts_to_device(
     fields: Sequence[tuple[list, torch.dtype, tuple[int, ...]]],
     device: torch.device | str,
 ) -> list[torch.Tensor]:
-    """Each (values, dtype, shape) as a device tensor, in order, with one copy per
-    dtype: a step's small host lists cost one transfer each otherwise, and on a
-    GPU host each transfer costs tens of microseconds of launch time."""
-    tensors = [torch.tensor(v, dtype=d).reshape(shape) for v, d, shape in fields]
-    placed: list[torch.Tensor | None] = [None] * len(tensors)
+    """Each (flat values, dtype, shape) as a device tensor, in order, with one
+    host tensor and one copy per dtype: a step's small host lists cost one
+    transfer each otherwise (on a GPU host each costs tens of microseconds of
+    launch time), and each `torch.tensor` call about ten."""
+    sizes = [math.prod(shape) for _, _, shape in fields]
+    for (values, _, shape), size in zip(fields, sizes):
+        if len(values) != size:
+            raise ValueError(f"{len(values)} values for a tensor of shape {shape}")
     by_dtype: dict[torch.dtype, list[int]] = {}
-    for index, tensor in enumerate(tensors):
-        by_dtype.setdefault(tensor.dtype, []).append(index)
-    for members in by_dtype.values():
-        flat = torch.cat([tensors[i].reshape(-1) for i in members])
-        parts = _pinned_copy(flat, device).split([tensors[i].numel() for i in members])
-        for i, part in zip(members, parts):
-            placed[i] = part.view(tensors[i].shape)
+    for index, (_, dtype, _) in enumerate(fields):
+        by_dtype.setdefault(dtype, []).append(index)
+    placed: list[torch.Tensor | None] = [None] * len(fields)
+    for dtype, members in by_dtype.items():
+        values = list(itertools.chain.from_iterable(fields[i][0] for i in members))
+        flat = _pinned_copy(torch.tensor(values, dtype=dtype), device)
+        for i, part in zip(members, flat.split([sizes[i] for i in members])):
+            placed[i] = part.view(fields[i][2])
     return placed
 
 

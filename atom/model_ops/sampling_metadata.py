@@ -8,6 +8,7 @@ waits for the device.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -38,12 +39,16 @@ def _padded(
     rows: list[list[int]], repeat_last: bool = False
 ) -> tuple[list[list[int]], torch.dtype, tuple[int, int]]:
     """A `hosts_to_device` field: [len(rows), longest] long, short rows padded with
-    0 (or their last entry)."""
-    width = max((len(row) for row in rows), default=0)
-    padded = [
-        row + (row[-1:] if repeat_last else [0]) * (width - len(row)) for row in rows
-    ]
-    return padded, torch.long, (len(rows), width)
+    0 (or their last entry), as one flat list (a nested one converts to a tensor
+    element by element)."""
+    lengths = [len(row) for row in rows]
+    width = max(lengths, default=0)
+    if any(length != width for length in lengths):
+        rows = [
+            row + (row[-1:] if repeat_last else [0]) * (width - len(row))
+            for row in rows
+        ]
+    return list(itertools.chain.from_iterable(rows)), torch.long, (len(rows), width)
 
 
 @dataclass(frozen=True)
@@ -52,7 +57,9 @@ class SpecRows:
 
     drafts: list[list[int]]
     row_index: list[list[int]]
-    block_tables: list[list[int]]
+    # None when the engine drafts nothing (padding them is the step's largest
+    # host cost at large batches).
+    block_tables: list[list[int]] | None
 
 
 @dataclass(frozen=True)
@@ -69,8 +76,9 @@ class SpecDecodeMetadata:
     # predicts the token after draft j); padding repeats the sequence's last row.
     row_index: torch.Tensor
     # [S, W] long: paged-KV block ids of each sampled sequence for the drafter's
-    # block pass, padded with block 0 (never read past the sequence's context).
-    block_tables: torch.Tensor
+    # block pass, padded with block 0 (never read past the sequence's context);
+    # None when the engine drafts nothing.
+    block_tables: torch.Tensor | None
 
     @property
     def max_drafts(self) -> int:
@@ -174,20 +182,21 @@ class SamplingMetadata:
                 (counts, torch.long, (len(counts),)),
                 # Padding repeats the last row, so every index is a real row.
                 _padded(spec_rows.row_index, repeat_last=True),
-                _padded(spec_rows.block_tables),
             ]
+            if spec_rows.block_tables is not None:
+                fields.append(_padded(spec_rows.block_tables))
         temps_t, ks_t, ps_t, seeds_t, pos_t, sampled_t, rows_t, greedy_t, *spec_t = (
             hosts_to_device(fields, device)
         )
         spec = None
         if spec_rows is not None:
-            draft_ids, num_drafts, row_index, block_tables = spec_t
+            draft_ids, num_drafts, row_index, *block_tables = spec_t
             spec = SpecDecodeMetadata(
                 draft_ids=draft_ids,
                 num_drafts=num_drafts,
                 num_drafts_host=counts,
                 row_index=row_index,
-                block_tables=block_tables,
+                block_tables=block_tables[0] if block_tables else None,
             )
         return cls(
             seq_ids=list(seq_ids) if seq_ids is not None else list(range(num_seqs)),
@@ -209,34 +218,37 @@ class SamplingMetadata:
 
     @classmethod
     def from_works(
-        cls, works: Sequence[SeqWork], device: torch.device | str
+        cls, works: Sequence[SeqWork], device: torch.device | str, drafts_next: bool
     ) -> SamplingMetadata:
-        """The step's metadata for the sequences with `sample` set, in batch order."""
+        """The step's metadata for the sequences with `sample` set, in batch order;
+        their block tables only when `drafts_next` (the engine proposes drafts)."""
         logit_rows: list[int] = []
         row_index: list[list[int]] = []
         drafts: list[list[int]] = []
         sampled: list[SeqWork] = []
-        start = 0
+        end = 0
         for work in works:
-            end = start + work.num_rows
+            end += len(work.token_ids)
             if work.sample:
+                num_drafts = work.num_drafts
                 first = len(logit_rows)
-                logit_rows.extend(range(end - 1 - work.num_drafts, end))
-                row_index.append([first + j for j in range(work.num_drafts + 1)])
-                drafts.append(work.token_ids[1 : 1 + work.num_drafts])
+                logit_rows.extend(range(end - 1 - num_drafts, end))
+                row_index.append(list(range(first, first + num_drafts + 1)))
+                drafts.append(work.token_ids[1 : 1 + num_drafts])
                 sampled.append(work)
-            start = end
         spec_rows = SpecRows(
             drafts=drafts,
             row_index=row_index,
-            block_tables=[w.block_table for w in sampled],
+            block_tables=[w.block_table for w in sampled] if drafts_next else None,
         )
         return cls.build(
             temperatures=[w.temperature for w in sampled],
             top_ks=[w.top_k for w in sampled],
             top_ps=[w.top_p for w in sampled],
             seeds=[w.seed for w in sampled],
-            positions=[w.context_len + w.num_rows - w.num_drafts for w in sampled],
+            positions=[
+                w.context_len + len(w.token_ids) - w.num_drafts for w in sampled
+            ],
             device=device,
             seq_ids=[w.seq_id for w in sampled],
             logit_rows=logit_rows,

@@ -133,22 +133,25 @@ def test_caller_may_shorten_the_hit_but_not_extend_it():
         bm.allocate(Sequence(list(range(13))), num_cached_blocks=4)
 
 
-def test_may_append_grows_for_speculative_rows_and_hashes_committed_blocks():
+def test_try_append_grows_for_speculative_rows_and_hashes_committed_blocks():
     bm = BlockManager(num_blocks=16, block_size=4)
     seq = Sequence(list(range(7)))
     bm.allocate(seq)
     bm.cache_full_blocks(seq, 7)
     assert seq.num_hashed_blocks == 1
     seq.token_ids.append(7)
-    assert bm.can_append(seq, 5)
     # Rows [last, d1..d5] at positions 7..12 need 4 blocks.
-    bm.may_append(seq, 5)
+    assert bm.try_append(seq, 5)
     assert len(seq.block_table) == 4
     # Block 1 (tokens 4..7) is now fully committed; blocks 2, 3 hold drafts only.
     assert seq.num_hashed_blocks == 2
     assert bm.blocks[seq.block_table[2]].hash is None
-    bm.may_append(seq, 0)  # never shrinks
+    assert bm.try_append(seq, 0)  # never shrinks
     assert len(seq.block_table) == 4
+    # Too few free blocks: nothing changes.
+    free = bm.num_free_blocks
+    assert not bm.try_append(seq, 4 * (free + 4))
+    assert len(seq.block_table) == 4 and bm.num_free_blocks == free
 
 
 def test_cache_full_blocks_registers_only_given_prefix():

@@ -45,7 +45,7 @@ def test_metadata_from_works_selects_rows_positions_and_drafts():
         work(2, [4, 11, 12, 13], 20, drafts=3),  # verify: [last, d1, d2, d3]
         work(3, [1, 2], 7, drafts=1, temperature=0),
     ]
-    sampling = SamplingMetadata.from_works(works, "cpu")
+    sampling = SamplingMetadata.from_works(works, "cpu", drafts_next=True)
     assert sampling.seq_ids == [1, 2, 3]
     assert sampling.logit_rows.tolist() == [4, 5, 6, 7, 8, 9, 10]
     # The position each sequence's first scored row predicts.
@@ -56,11 +56,15 @@ def test_metadata_from_works_selects_rows_positions_and_drafts():
     assert spec.draft_ids.tolist() == [[0, 0, 0], [11, 12, 13], [2, 0, 0]]
     assert spec.row_index.tolist() == [[0, 0, 0, 0], [1, 2, 3, 4], [5, 6, 6, 6]]
     assert spec.block_tables.shape == (3, 2)
+    # An engine that drafts nothing sends no block tables.
+    plain = SamplingMetadata.from_works(works, "cpu", drafts_next=False)
+    assert plain.spec.block_tables is None
+    assert plain.spec.row_index.tolist() == spec.row_index.tolist()
 
 
 def test_a_plain_step_samples_every_sequence_once():
     works = [work(0, [5, 6, 7], 0), work(1, [3], 9, temperature=0)]
-    sampling = SamplingMetadata.from_works(works, "cpu")
+    sampling = SamplingMetadata.from_works(works, "cpu", drafts_next=False)
     logits = scored_logits(sampling, 4)
     choices = StepSampler().launch(logits, sampling).choices()
     expected = sample_tokens(logits, sampling).tolist()
@@ -77,7 +81,7 @@ def test_verification_uses_the_stored_draft_distributions():
         work(1, [6], 3),  # no drafts this step
         work(2, [9, 30], 5, drafts=1, temperature=0),
     ]
-    sampling = SamplingMetadata.from_works(works, "cpu")
+    sampling = SamplingMetadata.from_works(works, "cpu", drafts_next=False)
     logits = scored_logits(sampling, 6)
     sampler = StepSampler()
     with pytest.raises(RuntimeError, match="sequence 0 verifies 2 sampled drafts"):
@@ -110,13 +114,13 @@ def test_verification_uses_the_stored_draft_distributions():
 def test_a_sequence_chooses_the_same_alone_and_in_a_batch():
     batch = [work(0, [3, 4], 0), work(1, [7], 30), work(2, [1, 2, 3], 12)]
     logits_of = {}
-    together = SamplingMetadata.from_works(batch, "cpu")
+    together = SamplingMetadata.from_works(batch, "cpu", drafts_next=False)
     all_logits = scored_logits(together, 6)
     for seq, row in zip(together.seq_ids, all_logits):
         logits_of[seq] = row
     in_batch = StepSampler().launch(all_logits, together).choices()
     for one, choice in zip(batch, in_batch):
-        alone = SamplingMetadata.from_works([one], "cpu")
+        alone = SamplingMetadata.from_works([one], "cpu", drafts_next=False)
         (single,) = StepSampler().launch(logits_of[one.seq_id][None], alone).choices()
         assert single == choice
 

@@ -133,7 +133,7 @@ def test_a_step_copies_to_the_host_once(logprobs, copies):
         )
         for s in range(SEQS)
     ]
-    sampling = SamplingMetadata.from_works(works, "cuda")
+    sampling = SamplingMetadata.from_works(works, "cuda", drafts_next=False)
     sampler = StepSampler()
     q = torch.softmax(torch.randn(SEQS, WIDTH, VOCAB, device="cuda"), -1)
     ids = torch.zeros(SEQS, WIDTH, dtype=torch.long, device="cuda")
