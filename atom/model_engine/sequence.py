@@ -108,8 +108,10 @@ class Sequence:
     def last_token(self) -> int:
         return self.token_ids[-1]
 
-    @property
+    @functools.cached_property
     def prompt_token_ids(self) -> list[int]:
+        """The prompt, sliced once: every step's output of the request carries it,
+        and a long prompt's copy per step per sequence adds up at large batches."""
         return self.token_ids[: self.num_prompt_tokens]
 
     @property
