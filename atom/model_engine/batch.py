@@ -169,25 +169,33 @@ class BatchOutput:
             )
         works = [work for work in batch.work if work.sample]
         for work, choice in zip(works, self.choices):
-            where = f"BatchOutput of batch {batch.batch_id}, sequence {work.seq_id}"
-            verified = work.token_ids[1 : 1 + work.num_drafts]
-            tokens, accepted = choice.token_ids, choice.num_accepted
-            if not 0 <= accepted <= len(verified):
+            problem = _choice_problem(work, choice, num_speculative_tokens)
+            if problem is not None:
                 raise RuntimeError(
-                    f"{where}: {accepted} accepted drafts of {len(verified)} verified"
+                    f"BatchOutput of batch {batch.batch_id}, sequence "
+                    f"{work.seq_id}: {problem}"
                 )
-            if len(tokens) != accepted + 1:
-                raise RuntimeError(
-                    f"{where}: {len(tokens)} emitted tokens for {accepted} accepted "
-                    f"drafts"
-                )
-            if tokens[:accepted] != verified[:accepted]:
-                raise RuntimeError(
-                    f"{where}: accepted tokens {tokens[:accepted]} differ from the "
-                    f"drafts {verified[:accepted]}"
-                )
-            if len(choice.draft_token_ids) > num_speculative_tokens:
-                raise RuntimeError(
-                    f"{where}: {len(choice.draft_token_ids)} drafts, at most "
-                    f"{num_speculative_tokens} expected"
-                )
+
+
+def _choice_problem(
+    work: SeqWork, choice: TokenChoice, num_speculative_tokens: int
+) -> str | None:
+    """What is inconsistent in one sequence's choice, or None (the message is
+    formed only on failure: this runs per sequence per step)."""
+    verified = work.token_ids[1 : 1 + work.num_drafts]
+    tokens, accepted = choice.token_ids, choice.num_accepted
+    if not 0 <= accepted <= len(verified):
+        return f"{accepted} accepted drafts of {len(verified)} verified"
+    if len(tokens) != accepted + 1:
+        return f"{len(tokens)} emitted tokens for {accepted} accepted drafts"
+    if tokens[:accepted] != verified[:accepted]:
+        return (
+            f"accepted tokens {tokens[:accepted]} differ from the drafts "
+            f"{verified[:accepted]}"
+        )
+    if len(choice.draft_token_ids) > num_speculative_tokens:
+        return (
+            f"{len(choice.draft_token_ids)} drafts, at most "
+            f"{num_speculative_tokens} expected"
+        )
+    return None
