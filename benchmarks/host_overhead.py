@@ -24,6 +24,7 @@ graph's fixed width, `--replay-table-width`). `--cprofile N` prints the N functi
 steps without a forward.
 
     python benchmarks/host_overhead.py --batch-sizes 1,32 --steps 64 --no-forward
+    python benchmarks/host_overhead.py --batch-sizes 128 --input-len 256 --no-forward
 """
 
 from __future__ import annotations
@@ -109,13 +110,16 @@ def uninstrument() -> None:
     model_runner_module.prepare_inputs = getattr(inputs, "__wrapped__", inputs)
 
 
-def start_decode(engine: LLMEngine, batch: int, steps: int, seed: int) -> None:
-    """Add `batch` requests of `steps` + 1 tokens and step until every one holds
-    its first token: what follows are decode steps only."""
+def start_decode(
+    engine: LLMEngine, batch: int, steps: int, seed: int, input_len: int
+) -> None:
+    """Add `batch` requests of `input_len` prompt tokens and `steps` + 1 output
+    tokens and step until every one holds its first token: what follows are
+    decode steps only."""
     rng = random.Random(seed)
     params = SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)
     for _ in range(batch):
-        engine.add_request([rng.randrange(100) for _ in range(16)], params)
+        engine.add_request([rng.randrange(100) for _ in range(input_len)], params)
     scheduler = engine.scheduler
     while scheduler.waiting or any(
         seq.num_output_tokens == 0 for seq in scheduler.running
@@ -134,11 +138,16 @@ def run_to_end(engine: LLMEngine) -> tuple[float, int]:
 
 
 def measure(
-    engine: LLMEngine, timer: PhaseTimer, batch: int, steps: int, seed: int
+    engine: LLMEngine,
+    timer: PhaseTimer,
+    batch: int,
+    steps: int,
+    seed: int,
+    input_len: int,
 ) -> dict[str, float]:
     """Microseconds per decode step: each phase, "engine" (the rest of
     LLMEngine.step), "step" (the whole) and "host" (all but the device phases)."""
-    start_decode(engine, batch, steps, seed)
+    start_decode(engine, batch, steps, seed, input_len)
     timer.reset()
     seconds, count = run_to_end(engine)
     per_step = {p: timer.seconds.get(p, 0.0) / count * 1e6 for p in PHASES}
@@ -180,9 +189,11 @@ def without_forward(engine: LLMEngine):
         runner.model.forward = forward
 
 
-def profile_host(engine: LLMEngine, batch: int, steps: int, top: int) -> None:
+def profile_host(
+    engine: LLMEngine, batch: int, steps: int, top: int, input_len: int
+) -> None:
     """cProfile of decode steps without a forward: the host's functions only."""
-    start_decode(engine, batch, steps, seed=1)
+    start_decode(engine, batch, steps, 1, input_len)
     with without_forward(engine):
         profiler = cProfile.Profile()
         profiler.enable()
@@ -226,6 +237,12 @@ def main() -> None:
     parser.add_argument("--model", default="tiny-kimi-k3")
     parser.add_argument("--batch-sizes", default="1,32")
     parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument(
+        "--input-len",
+        type=int,
+        default=16,
+        help="prompt tokens (longer prompts: longer block tables per sequence)",
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--cprofile", type=int, default=0, metavar="N")
     parser.add_argument(
@@ -247,8 +264,8 @@ def main() -> None:
         args.model,
         device="cpu",
         max_num_seqs=max(batches),
-        max_model_len=64 + args.steps,
-        max_num_batched_tokens=max(256, 16 * max(batches)),
+        max_model_len=args.input_len + 48 + args.steps,
+        max_num_batched_tokens=max(256, args.input_len * max(batches)),
     )
     timer = PhaseTimer()
     with contextlib.ExitStack() as stack:
@@ -257,16 +274,16 @@ def main() -> None:
         instrument(engine, timer)
         stack.callback(uninstrument)
         for batch in batches:
-            measure(engine, timer, batch, 4, args.seed)  # warm-up
+            measure(engine, timer, batch, 4, args.seed, args.input_len)  # warm-up
             runs = [
-                measure(engine, timer, batch, args.steps, args.seed)
+                measure(engine, timer, batch, args.steps, args.seed, args.input_len)
                 for _ in range(args.repeats)
             ]
             report(batch, runs)
     for batch in batches:
         time_replay_buffer(batch, args.replay_table_width)
     for batch in batches if args.cprofile else []:
-        profile_host(engine, batch, args.steps, args.cprofile)
+        profile_host(engine, batch, args.steps, args.cprofile, args.input_len)
     engine.close()
 
 
