@@ -97,9 +97,10 @@ def kda_conv_decode_in_pool(
 ) -> torch.Tensor:
     """SiLU(causal depthwise conv) of x [B, T, C] (padded rows after each sequence's
     query_start_loc length) as [B, T, C] in x.dtype, continuing each sequence's
-    history pool[slots] ([S, C, K-1], zeros where `context_lens` [B] is 0); pool[slots] then holds
-    the last K-1 inputs of each sequence, and snapshots[slots, t] ([S, R, C, K-1])
-    the history after row t when given. weight [C, K]."""
+    history pool[slots] ([S, C, K-1], zeros where `context_lens` [B] is 0);
+    pool[slots] then holds the last K-1 inputs of each sequence, and
+    snapshots[slots, t] ([S, R, C, K-1]) the history after row t when given.
+    weight [C, K]."""
     batch, rows, channels = x.shape
     kernel = weight.shape[-1]
     if tuple(pool.shape[1:]) != (channels, kernel - 1) or not pool.is_contiguous():

@@ -120,9 +120,8 @@ def kda_decode_in_pool(
     sequence's state after its T rows, and snapshots[slots, t] ([S, R, h, Dv, Dk])
     the state after row t when given. q, k, g [B, T, h, Dk] (q, k L2-normalised, g
     the log-decay), v [B, T, h, Dv], beta [B, T, h], in any float dtype and
-    strides; a sequence whose `context_lens` [B] entry is 0
-    starts from zeros. Slots must be distinct, but for the scratch slot of graph padding.
-    """
+    strides; a sequence whose `context_lens` [B] entry is 0 starts from zeros.
+    Slots must be distinct, but for the scratch slot of graph padding."""
     batch, rows, heads, key_dim = k.shape
     value_dim = v.shape[3]
     expected = (heads, value_dim, key_dim)

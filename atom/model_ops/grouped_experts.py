@@ -24,12 +24,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.nn.functional as F
 
 from atom.kernels import triton_available
+
+if TYPE_CHECKING:  # the kernel module imports triton, which may be absent
+    from atom.kernels.expert_gemm import TileLists
 
 ExpertPath = Literal["grouped_mm", "triton", "gemv", "loop"]
 # The paths with no host synchronisation, which a CUDA graph can capture.
@@ -163,9 +166,7 @@ class ExpertGroups:
     """
 
     ends: torch.Tensor
-    tile_lists: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(
-        default_factory=dict
-    )
+    tile_lists: TileLists = field(default_factory=dict)
 
 
 # One projection of every routed row: (rows, groups, row_source) -> the sorted

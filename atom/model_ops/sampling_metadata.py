@@ -37,7 +37,7 @@ def per_row(values: object, count: int, name: str) -> list:
 
 def _padded(
     rows: list[list[int]], repeat_last: bool = False
-) -> tuple[list[list[int]], torch.dtype, tuple[int, int]]:
+) -> tuple[list[int], torch.dtype, tuple[int, int]]:
     """A `hosts_to_device` field: [len(rows), longest] long, short rows padded with
     0 (or their last entry), as one flat list (a nested one converts to a tensor
     element by element)."""
