@@ -111,15 +111,22 @@ def uninstrument() -> None:
 
 
 def start_decode(
-    engine: LLMEngine, batch: int, steps: int, seed: int, input_len: int
+    engine: LLMEngine,
+    batch: int,
+    steps: int,
+    seed: int,
+    input_len: int,
+    stream: bool = False,
 ) -> None:
     """Add `batch` requests of `input_len` prompt tokens and `steps` + 1 output
     tokens and step until every one holds its first token: what follows are
-    decode steps only."""
+    decode steps only. Final-only requests, as `LLMEngine.generate` adds, unless
+    `stream` (a server's streams: an output every step)."""
     rng = random.Random(seed)
     params = SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)
     for _ in range(batch):
-        engine.add_request([rng.randrange(100) for _ in range(input_len)], params)
+        prompt = [rng.randrange(100) for _ in range(input_len)]
+        engine.add_request(prompt, params, final_only=not stream)
     scheduler = engine.scheduler
     while scheduler.waiting or any(
         seq.num_output_tokens == 0 for seq in scheduler.running
@@ -144,10 +151,11 @@ def measure(
     steps: int,
     seed: int,
     input_len: int,
+    stream: bool,
 ) -> dict[str, float]:
     """Microseconds per decode step: each phase, "engine" (the rest of
     LLMEngine.step), "step" (the whole) and "host" (all but the device phases)."""
-    start_decode(engine, batch, steps, seed, input_len)
+    start_decode(engine, batch, steps, seed, input_len, stream)
     timer.reset()
     seconds, count = run_to_end(engine)
     per_step = {p: timer.seconds.get(p, 0.0) / count * 1e6 for p in PHASES}
@@ -190,10 +198,10 @@ def without_forward(engine: LLMEngine):
 
 
 def profile_host(
-    engine: LLMEngine, batch: int, steps: int, top: int, input_len: int
+    engine: LLMEngine, batch: int, steps: int, top: int, input_len: int, stream: bool
 ) -> None:
     """cProfile of decode steps without a forward: the host's functions only."""
-    start_decode(engine, batch, steps, 1, input_len)
+    start_decode(engine, batch, steps, 1, input_len, stream)
     with without_forward(engine):
         profiler = cProfile.Profile()
         profiler.enable()
@@ -256,6 +264,11 @@ def main() -> None:
         default=256,
         help="block-table width of the graph-replay buffer timed (256: 4096 tokens)",
     )
+    parser.add_argument(
+        "--stream",
+        action="store_true",
+        help="requests stream (an output each step), as a server's do",
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     batches = [int(b) for b in args.batch_sizes.split(",")]
@@ -274,16 +287,19 @@ def main() -> None:
         instrument(engine, timer)
         stack.callback(uninstrument)
         for batch in batches:
-            measure(engine, timer, batch, 4, args.seed, args.input_len)  # warm-up
+            case = (args.seed, args.input_len, args.stream)
+            measure(engine, timer, batch, 4, *case)  # warm-up
             runs = [
-                measure(engine, timer, batch, args.steps, args.seed, args.input_len)
+                measure(engine, timer, batch, args.steps, *case)
                 for _ in range(args.repeats)
             ]
             report(batch, runs)
     for batch in batches:
         time_replay_buffer(batch, args.replay_table_width)
     for batch in batches if args.cprofile else []:
-        profile_host(engine, batch, args.steps, args.cprofile, args.input_len)
+        profile_host(
+            engine, batch, args.steps, args.cprofile, args.input_len, args.stream
+        )
     engine.close()
 
 

@@ -183,7 +183,10 @@ class LLMEngine:
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
         kv_transfer_params: dict | None = None,
+        final_only: bool = False,
     ) -> str:
+        """Queue one request; its id. With `final_only`, `step` returns its output
+        only once it finishes: its text is decoded then, not step by step."""
         params = sampling_params or SamplingParams()
         if kv_transfer_params is not None and self.kv_connector is None:
             raise ValueError(
@@ -222,7 +225,7 @@ class LLMEngine:
         )
         self.scheduler.add(seq)
         try:
-            self.outputs.add(seq)
+            self.outputs.add(seq, final_only)
         except BaseException:
             self.scheduler.abort(seq.request_id)  # no half-added request runs on
             raise
@@ -289,7 +292,8 @@ class LLMEngine:
         for work in batch.work:
             request_id = self.outputs.request_of_seq.get(work.seq_id)
             if work.sample and request_id is not None:
-                results.append(self._output_of(request_id))
+                if self.outputs.wants_output(request_id):
+                    results.append(self._output_of(request_id))
         return results
 
     def _output_of(self, request_id: str) -> RequestOutput:
@@ -323,7 +327,8 @@ class LLMEngine:
         ids: list[str] = []
         try:
             for prompt, params in zip(prompts, sampling_params):
-                ids.append(self.add_request(prompt, params))
+                # Only finished outputs are read here: no text step by step.
+                ids.append(self.add_request(prompt, params, final_only=True))
         except Exception:
             # One bad prompt refuses the whole call: no orphan keeps generating.
             for request_id in ids:

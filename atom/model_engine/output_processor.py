@@ -47,6 +47,8 @@ class _Detok:
 
     seq: Sequence
     stops: list[str]
+    # Only the finished output is wanted: the text is decoded once, at the end.
+    final_only: bool = False
     num_tokens_seen: int = 0
     text: str = ""
     prefix_offset: int = 0
@@ -66,9 +68,17 @@ class OutputProcessor:
         self.requests: dict[str, _Detok] = {}
         self.request_of_seq: dict[int, str] = {}
 
-    def add(self, seq: Sequence) -> None:
-        self.requests[seq.request_id] = _Detok(seq, seq.sampling_params.stop_strings)
+    def add(self, seq: Sequence, final_only: bool = False) -> None:
+        stops = seq.sampling_params.stop_strings
+        self.requests[seq.request_id] = _Detok(seq, stops, final_only)
         self.request_of_seq[seq.seq_id] = seq.request_id
+
+    def wants_output(self, request_id: str) -> bool:
+        """Whether a step's output of this request is built: always, but for a
+        final-only request until it finishes (its stop strings still need the text
+        of every step, so such a request is decoded step by step too)."""
+        state = self.requests[request_id]
+        return not state.final_only or bool(state.stops) or state.seq.is_finished
 
     def drop(self, request_id: str) -> None:
         state = self.requests.pop(request_id, None)

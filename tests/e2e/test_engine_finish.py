@@ -94,3 +94,30 @@ def test_eos_token_finishes_with_stop(full, tmp_path):
     assert stopped["token_ids"] == tokens[: at + 1]
     assert ignored["finish_reason"] == "length"
     assert ignored["token_ids"] == tokens
+
+
+def outputs_until_finished(engine: LLMEngine, request_id: str) -> list:
+    outputs = []
+    while not (outputs and outputs[-1].finished):
+        outputs += [o for o in engine.step() if o.request_id == request_id]
+    return outputs
+
+
+def test_a_final_only_request_yields_one_output_with_the_streamed_text(engine, full):
+    streamed_id = engine.add_request(PROMPT, greedy(ignore_eos=True))
+    streamed = outputs_until_finished(engine, streamed_id)
+    final_id = engine.add_request(PROMPT, greedy(ignore_eos=True), final_only=True)
+    final = outputs_until_finished(engine, final_id)
+    assert len(streamed) == MAX_TOKENS
+    assert len(final) == 1
+    assert final[0].text == "".join(o.new_text for o in streamed) == full["text"]
+    assert final[0].output_token_ids == full["token_ids"]
+
+
+def test_a_final_only_request_still_stops_at_its_stop_string(engine, full):
+    stop, at = first_unique_substring(full["text"], 4, 2)
+    params = greedy(stop=[stop], ignore_eos=True)
+    request_id = engine.add_request(PROMPT, params, final_only=True)
+    final = outputs_until_finished(engine, request_id)
+    assert final[-1].finish_reason == "stop"
+    assert final[-1].text == full["text"][:at]
