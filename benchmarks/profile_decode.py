@@ -1,10 +1,11 @@
 """Where a decode step's time goes: kernel tables and the host's share, on CUDA.
 
 Builds the checkpoint of `bench_vs_transformers.py` (same presets), starts one atom
-engine with CUDA graphs and, with `--eager`, one without, and at each batch size runs
-greedy decode under `torch.profiler`. Per run it prints the decode step's wall time,
-the GPU kernel time per step and their difference (the host's share that the GPU does
-not hide), the kernels per step, and the kernels that take the most time.
+engine with CUDA graphs and, with `--eager`, one without, and at each batch size
+profiles greedy decode steps under `torch.profiler` (prefill outside the window). Per
+run it prints the decode step's wall time, the GPU kernel time per step, how long the
+host waited for the device (near zero: the host is the bound), the kernels per step,
+the kernels that take the most time and the host's own time by op.
 
     python benchmarks/profile_decode.py --device cuda --batch-sizes 1,128 --eager
 """
@@ -64,6 +65,19 @@ def print_step_sequence(prof: profile, per_step: int) -> None:
         print(f"  {total:7.1f} us  x{count:<3d} {name[:100]}")
 
 
+# CPU-side calls in which the host waits for the device.
+WAITS = ("cudaEventSynchronize", "cudaStreamSynchronize", "cudaDeviceSynchronize")
+
+
+def host_wait_us(prof: profile) -> float:
+    """Microseconds the host spent waiting for the device in the profile."""
+    return sum(
+        event.cpu_time_total
+        for event in prof.events()
+        if event.device_type == torch.autograd.DeviceType.CPU and event.name in WAITS
+    )
+
+
 def profile_run(
     engine: LLMEngine,
     prompts: list[list[int]],
@@ -73,44 +87,53 @@ def profile_run(
     device: str,
     sequence: bool = False,
 ) -> None:
-    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    """Profile `steps` engine steps once every request decodes (no prefill in the
+    window): the step's wall time, its kernels' time, and how long the host
+    waited for the device. A host that waits is bound by the device; one that
+    never waits is the bound itself."""
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     engine.generate(prompts, params)  # warm-up at this batch size
-    start = time.perf_counter()
-    engine.generate(prompts, params)
+    params = dataclasses.replace(params, max_tokens=steps + 8)
+    for prompt in prompts:
+        engine.add_request(prompt, params, final_only=True)
+    scheduler = engine.scheduler
+    while scheduler.waiting or any(s.num_output_tokens < 2 for s in scheduler.running):
+        engine.step()
     synchronize(device)
-    prefill_s = time.perf_counter() - start
-    params = dataclasses.replace(params, max_tokens=steps + 1)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
-        engine.generate(prompts, params)
+        for _ in range(steps):
+            engine.step()
         synchronize(device)
         total_s = time.perf_counter() - start
-    step_ms = (total_s - prefill_s) / steps * 1e3
+    while engine.has_unfinished_requests():
+        engine.step()
+    step_ms = total_s / steps * 1e3
     kernels = kernel_times(prof)
-    gpu_ms = sum(t for t, _ in kernels.values()) / 1e3 / (steps + 1)
-    launches = sum(n for _, n in kernels.values()) / (steps + 1)
+    gpu_ms = sum(t for t, _ in kernels.values()) / 1e3 / steps
+    wait_ms = host_wait_us(prof) / 1e3 / steps
+    launches = sum(n for _, n in kernels.values()) / steps
     print(
         f"\n## {label}: decode step {step_ms:.2f} ms wall (profiled), GPU kernels "
-        f"{gpu_ms:.2f} ms/step, host share {step_ms - gpu_ms:.2f} ms, "
-        f"{launches:.0f} kernels/step"
+        f"{gpu_ms:.2f} ms/step, host waits {wait_ms:.2f} ms/step for the device "
+        f"(host busy {step_ms - wait_ms:.2f} ms), {launches:.0f} kernels/step"
     )
     ranked = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]
     whole = sum(t for t, _ in kernels.values()) or 1.0
     for name, (total, count) in ranked:
         print(
-            f"{100 * total / whole:5.1f} %  {total / (steps + 1):8.1f} us/step "
-            f"{count / (steps + 1):6.1f}/step  {name[:110]}"
+            f"{100 * total / whole:5.1f} %  {total / steps:8.1f} us/step "
+            f"{count / steps:6.1f}/step  {name[:110]}"
         )
     if sequence:
         print_step_sequence(prof, round(launches))
-    if "eager" in label:  # torch ops, named, only where there is no graph
-        print(
-            prof.key_averages().table(
-                sort_by="self_device_time_total",
-                row_limit=top,
-                max_name_column_width=50,
-            )
+    # The host's own work, by torch op and CUDA runtime call: where a host-bound
+    # step spends its time.
+    print(
+        prof.key_averages().table(
+            sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=50
         )
+    )
 
 
 def main() -> None:
