@@ -100,6 +100,8 @@ class ModelRunner:
         self.step_sampler = StepSampler(self.proposer)
         # The last sampling batch's tokens, for inputs async scheduling left pending.
         self.sampled: SampledTokens | None = None
+        # The last step's sampling metadata, whose tensors steady decode reuses.
+        self.last_sampling: SamplingMetadata | None = None
         self.cache: CacheEngine | None = None
         self.graphs: DecodeGraphs | None = None
         self.use_graphs = self._can_capture_graphs()
@@ -360,8 +362,12 @@ class ModelRunner:
         if not batch.produces_output:
             return None
         sampling = SamplingMetadata.from_works(
-            batch.work, self.device, drafts_next=self.proposer is not None
+            batch.work,
+            self.device,
+            drafts_next=self.proposer is not None,
+            previous=self.last_sampling,
         )
+        self.last_sampling = sampling
         logits = self.model.compute_logits(hidden[sampling.logit_rows])
         sampled = self.step_sampler.launch(logits, sampling)
         self.sampled = SampledTokens(batch, sampled.emitted)

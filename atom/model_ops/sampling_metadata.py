@@ -8,6 +8,7 @@ waits for the device.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Sequence
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from atom.model_ops.host_copy import hosts_to_device
+from atom.model_ops.host_copy import host_to_device, hosts_to_device
 from atom.model_ops.logit_adjust import LogitAdjustments
 from atom.model_ops.logprobs import LogprobRequest
 
@@ -111,6 +112,10 @@ class SamplingMetadata:
     adjust: LogitAdjustments | None = None
     # The rows whose emitted tokens' logprobs are reported; None when none.
     logprobs: LogprobRequest | None = None
+    # Built for plain decode: every work samples its one row, without drafts,
+    # adjustments or logprobs (the next such step over the same sequences reuses
+    # these tensors: `from_works`'s `previous`).
+    plain_decode: bool = False
 
     @property
     def num_seqs(self) -> int:
@@ -134,6 +139,7 @@ class SamplingMetadata:
         spec_rows: SpecRows | None = None,
         logit_adjusts: Sequence[LogitAdjustWork | None] | None = None,
         logprobs: Sequence[int | None] | None = None,
+        plain_decode: bool = False,
     ) -> SamplingMetadata:
         """From host values, one per sequence (a scalar applies to all).
 
@@ -214,14 +220,32 @@ class SamplingMetadata:
             spec=spec,
             adjust=LogitAdjustments.build(logit_adjusts or [], device),
             logprobs=LogprobRequest.build(logprobs or [], device),
+            plain_decode=plain_decode,
         )
 
     @classmethod
     def from_works(
-        cls, works: Sequence[SeqWork], device: torch.device | str, drafts_next: bool
+        cls,
+        works: Sequence[SeqWork],
+        device: torch.device | str,
+        drafts_next: bool,
+        previous: SamplingMetadata | None = None,
     ) -> SamplingMetadata:
         """The step's metadata for the sequences with `sample` set, in batch order;
-        their block tables only when `drafts_next` (the engine proposes drafts)."""
+        their block tables only when `drafts_next` (the engine proposes drafts).
+
+        `previous`, the last step's metadata, lends its tensors when both steps are
+        plain decode of the same sequences in the same order: a sequence's sampling
+        settings never change, so only the positions are new. Steady decode then
+        builds one list instead of a dozen, the host's largest sampling cost at
+        large batches.
+        """
+        plain = not drafts_next and all(_plain_decode(work) for work in works)
+        if plain and previous is not None and previous.plain_decode:
+            if [work.seq_id for work in works] == previous.seq_ids:
+                positions = [work.context_len + 1 for work in works]
+                moved = host_to_device(positions, torch.long, device)
+                return dataclasses.replace(previous, positions=moved)
         logit_rows: list[int] = []
         row_index: list[list[int]] = []
         drafts: list[list[int]] = []
@@ -255,4 +279,15 @@ class SamplingMetadata:
             spec_rows=spec_rows,
             logit_adjusts=[w.logit_adjust for w in sampled],
             logprobs=[w.logprobs for w in sampled],
+            plain_decode=plain,
         )
+
+
+def _plain_decode(work: SeqWork) -> bool:
+    """One sampled row, no drafts, no logit adjustments, no logprobs."""
+    return (
+        work.sample
+        and len(work.token_ids) == 1
+        and work.logit_adjust is None
+        and work.logprobs is None
+    )

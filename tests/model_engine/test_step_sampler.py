@@ -38,6 +38,39 @@ def scored_logits(sampling: SamplingMetadata, num_rows: int) -> torch.Tensor:
     return (torch.randn(num_rows, VOCAB, generator=gen) * 2)[sampling.logit_rows]
 
 
+def fields_of(sampling: SamplingMetadata) -> dict:
+    return {
+        name: value.tolist() if isinstance(value, torch.Tensor) else value
+        for name, value in vars(sampling).items()
+        if name not in ("spec", "plain_decode")
+    }
+
+
+@pytest.mark.parametrize("temperature", [0, 0.8])
+def test_steady_decode_reuses_the_last_steps_metadata(temperature):
+    def step(context_len: int, ids=(1, 2, 3)) -> list[SeqWork]:
+        return [work(i, [7], context_len + i, temperature=temperature) for i in ids]
+
+    first = SamplingMetadata.from_works(step(10), "cpu", drafts_next=False)
+    assert first.plain_decode
+    again = SamplingMetadata.from_works(
+        step(11), "cpu", drafts_next=False, previous=first
+    )
+    fresh = SamplingMetadata.from_works(step(11), "cpu", drafts_next=False)
+    assert fields_of(again) == fields_of(fresh)
+    assert again.temperatures is first.temperatures
+    # Other sequences, or a step that is not plain decode, build afresh.
+    other = SamplingMetadata.from_works(
+        step(11, (1, 3)), "cpu", drafts_next=False, previous=first
+    )
+    assert other.seq_ids == [1, 3] and other.temperatures is not first.temperatures
+    verify = [work(1, [7, 8], 11, drafts=1, temperature=temperature)]
+    built = SamplingMetadata.from_works(
+        verify, "cpu", drafts_next=False, previous=first
+    )
+    assert not built.plain_decode and built.spec.max_drafts == 1
+
+
 def test_metadata_from_works_selects_rows_positions_and_drafts():
     works = [
         work(0, [5, 6, 7], 0, sample=False),  # a prefill chunk that samples nothing
