@@ -68,6 +68,24 @@ def _check_work(work: SeqWork, block_size: int) -> None:
     slot_of(work.block_table, work.context_len + work.num_rows - 1, block_size)
 
 
+def _check_works(
+    works: list[SeqWork],
+    lengths: list[int],
+    context_lens: list[int],
+    tables: list[list[int]],
+    block_size: int,
+) -> None:
+    """`_check_work` for the whole batch at once (it runs every step): arrays find
+    a bad work, which `_check_work` then names."""
+    rows = np.array(lengths)
+    drafts = np.array([work.num_drafts for work in works])
+    last_block = (np.array(context_lens) + rows - 1) // block_size
+    table_lens = np.array([len(table) for table in tables])
+    bad = (rows == 0) | (drafts < 0) | (drafts >= rows) | (last_block >= table_lens)
+    if bad.any():
+        _check_work(works[int(bad.argmax())], block_size)
+
+
 def build_step(
     works: list[SeqWork],
     block_size: int,
@@ -84,13 +102,12 @@ def build_step(
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     if not works:
         raise ValueError("a forward needs at least one sequence")
-    for work in works:
-        _check_work(work, block_size)
     token_ids = [t for work in works for t in work.token_ids]
-    lengths = [work.num_rows for work in works]
+    lengths = [len(work.token_ids) for work in works]
     context_lens = [work.context_len for work in works]
     state_slots = [work.state_slot for work in works]
     tables = [work.block_table for work in works]
+    _check_works(works, lengths, context_lens, tables, block_size)
     num_real_rows = len(token_ids)
     if padding is not None:
         extra = padding.num_seqs - len(works)

@@ -45,6 +45,8 @@ def useful_drafts(work: SeqWork, seq: Sequence) -> int:
     """The drafts of a verify that can still become output: a verify emits the
     accepted drafts and one more token, so with r tokens left under max_tokens
     (before the step's tokens are appended) at most r - 1 drafts count."""
+    if not work.num_drafts:
+        return 0
     remaining = seq.sampling_params.max_tokens - seq.num_output_tokens
     return max(0, min(work.num_drafts, remaining - 1))
 

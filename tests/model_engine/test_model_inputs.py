@@ -63,3 +63,11 @@ def test_ragged_rows_pad_and_unpad():
 def test_bad_work_is_rejected(bad, message):
     with pytest.raises(ValueError, match=message):
         prepare_inputs([bad], block_size=4, device="cpu")
+
+
+@pytest.mark.parametrize("at", [0, 1, 2])
+def test_a_bad_work_anywhere_in_the_batch_is_named(at):
+    batch = [seq(i, [1], 3, [i], i) for i in range(3)]
+    batch[at] = seq(at, [1, 2], 7, [0, 1], at)
+    with pytest.raises(ValueError, match="position 8 needs block 2"):
+        prepare_inputs(batch, block_size=4, device="cpu")
