@@ -60,8 +60,17 @@ def pending_input_filler(
         row += work.num_rows
     if not targets:
         return None
-    index = host_to_device(targets + sources, torch.long, device).view(2, -1)
     tokens = previous.emitted[:, 0]
+    count = len(targets)
+    if targets == sources and targets[-1] == count - 1:
+        # Steady decode: rows 0..n-1 take the previous batch's tokens 0..n-1 (the
+        # rows only grow, so the last one names them all): one device copy, no
+        # index to send.
+        def fill_in_order(input_ids: torch.Tensor) -> None:
+            input_ids[:count].copy_(tokens[:count])
+
+        return fill_in_order
+    index = host_to_device(targets + sources, torch.long, device).view(2, -1)
 
     def fill(input_ids: torch.Tensor) -> None:
         input_ids.index_copy_(0, index[0], tokens.index_select(0, index[1]))
