@@ -123,10 +123,21 @@ def start_decode(
     decode steps only. Final-only requests, as `LLMEngine.generate` adds, unless
     `stream` (a server's streams: an output every step)."""
     rng = random.Random(seed)
+    prompts = [[rng.randrange(100) for _ in range(input_len)] for _ in range(batch)]
     params = SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)
-    for _ in range(batch):
-        prompt = [rng.randrange(100) for _ in range(input_len)]
-        engine.add_request(prompt, params, final_only=not stream)
+    add_past_prefill(engine, prompts, params, final_only=not stream)
+
+
+def add_past_prefill(
+    engine: LLMEngine,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    final_only: bool,
+) -> None:
+    """Add one request per prompt and step until every one holds its first token:
+    the engine's next steps are decode steps only."""
+    for prompt in prompts:
+        engine.add_request(prompt, params, final_only=final_only)
     scheduler = engine.scheduler
     while scheduler.waiting or any(
         seq.num_output_tokens == 0 for seq in scheduler.running

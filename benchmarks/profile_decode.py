@@ -29,6 +29,7 @@ from bench_vs_transformers import (
     random_prompts,
     synchronize,
 )
+from host_overhead import add_past_prefill
 from torch.profiler import ProfilerActivity, profile
 
 from atom import LLMEngine, SamplingParams
@@ -94,11 +95,7 @@ def profile_run(
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     engine.generate(prompts, params)  # warm-up at this batch size
     params = dataclasses.replace(params, max_tokens=steps + 8)
-    for prompt in prompts:
-        engine.add_request(prompt, params, final_only=True)
-    scheduler = engine.scheduler
-    while scheduler.waiting or any(s.num_output_tokens < 2 for s in scheduler.running):
-        engine.step()
+    add_past_prefill(engine, prompts, params, final_only=True)
     synchronize(device)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()

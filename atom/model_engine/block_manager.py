@@ -212,7 +212,7 @@ class BlockManager:
         missing = self.num_blocks_for(seq.num_tokens + num_new_tokens) - len(
             seq.block_table
         )
-        if missing > len(self.free_block_ids):
+        if missing > self.num_free_blocks:
             return False
         for _ in range(missing):
             seq.block_table.append(self._take_free_block())

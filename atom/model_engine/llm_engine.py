@@ -291,9 +291,12 @@ class LLMEngine:
         results = received
         for work in batch.work:
             request_id = self.outputs.request_of_seq.get(work.seq_id)
-            if work.sample and request_id is not None:
-                if self.outputs.wants_output(request_id):
-                    results.append(self._output_of(request_id))
+            if (
+                work.sample
+                and request_id is not None
+                and self.outputs.wants_output(request_id)
+            ):
+                results.append(self._output_of(request_id))
         return results
 
     def _output_of(self, request_id: str) -> RequestOutput:
