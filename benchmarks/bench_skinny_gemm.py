@@ -2,7 +2,9 @@
 
 Every dense product of `bench_vs_transformers.py`'s issue10 preset (bf16, tp 1) at
 one and at eight rows (batch-1 decode and a DSpark verify of k = 7), and the two
-fp32 products whose torch form is a cast and a cuBLAS GEMV. Per product it prints
+fp32 products whose torch form is a cast and a cuBLAS GEMV. At more rows (`--rows
+1,8,32,128`: decode batches) only the narrow products run, the ones the kernel
+takes there. Per product it prints
 microseconds per call for cuBLAS and for the kernel with `skinny_tiles`' choice
 (CUDA graph replays, as decode runs), the fraction of the HBM rate the kernel
 reaches reading W, and with `--sweep` the best of a grid of tiles beside it.
@@ -19,7 +21,12 @@ import torch
 import torch.nn.functional as F
 from bench_kernels import peak_rate, time_us
 
-from atom.kernels.skinny_gemm import SkinnyTiles, skinny_linear
+from atom.kernels.skinny_gemm import (
+    SKINNY_MAX_ROWS,
+    SkinnyTiles,
+    skinny_linear,
+    skinny_max_rows,
+)
 
 # name, N, K, weight dtype (None: the model's)
 PRODUCTS = [
@@ -71,7 +78,7 @@ def bench_product(
             tiles
             for tiles in SWEEP
             if tiles.block_k <= max(64, 1 << (k - 1).bit_length())
-            and rows * tiles.block_n * tiles.block_k <= 65536
+            and min(rows, SKINNY_MAX_ROWS) * tiles.block_n * tiles.block_k <= 65536
         ]
         best_us, best = min(((ours(t), t) for t in fits), key=lambda pair: pair[0])
         line += (
@@ -89,6 +96,8 @@ def main() -> None:
     args = parser.parse_args()
     for rows in (int(r) for r in args.rows.split(",")):
         for name, n, k, weight_dtype in PRODUCTS:
+            if rows > skinny_max_rows(n):
+                continue
             bench_product(name, rows, n, k, weight_dtype, args.iters, args.sweep)
 
 

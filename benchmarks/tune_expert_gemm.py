@@ -29,9 +29,9 @@ from atom.model_ops.grouped_experts import align_to_experts
 
 
 def candidates(block_m: int) -> list[GemmTiles]:
-    """The grid searched: decode-sized row tiles, wider column tiles and deeper
-    K slices, more warps and pipeline stages."""
-    grid = itertools.product((64, 128), (64, 128, 256), (4, 8), (3, 5))
+    """The grid searched: decode-sized row tiles, narrower (more programs) and wider
+    column tiles, deeper K slices, more warps and pipeline stages."""
+    grid = itertools.product((32, 64, 128), (64, 128, 256), (4, 8), (3, 5))
     return [GemmTiles(block_m, n, k, warps, stages) for n, k, warps, stages in grid]
 
 

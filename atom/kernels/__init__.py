@@ -65,6 +65,6 @@ def multiprocessors(device: torch.device) -> int:
 
 def rows_per_chunk(block_e: int) -> int:
     """Rows a one-program kernel takes per chunk of a [rows, experts] comparison
-    (`moe_align.py`, the expert GEMM's tile list): about 16K elements at a time
+    (the expert GEMM's tile list): about 16K elements at a time
     keeps the registers in bounds."""
     return max(16, min(128, 16384 // block_e))

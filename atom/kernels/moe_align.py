@@ -3,11 +3,14 @@ expert, in one launch.
 
 The torch reference is `atom.model_ops.grouped_experts.align_to_experts`: a stable
 argsort of the flat expert ids, per-expert counts, their running sum, the inverse
-permutation and each sorted row's token, about eight kernels per MoE layer. Here one
-program walks the ids in chunks: it counts the experts, then places each pair at its
-expert's start plus the number of earlier pairs of that expert (the stable order).
-Its work grows with pairs x experts, so it serves decode-sized steps; the
-reference's caller sends larger ones to torch.
+permutation and each sorted row's token, about eight kernels per MoE layer. Here
+each expert has a program: it counts the pairs of lower experts (its group's start),
+then walks the ids again and places each of its own pairs at that start plus the
+number of its earlier pairs (the stable order). The programs run side by side, and
+each holds one row of ids at a time, not a [pairs, experts] comparison, so a step
+of 128 tokens takes about what one of a token does. Each program reads every id
+twice, so the total work grows with pairs x experts: it serves decode-sized steps,
+and the reference's caller sends larger ones to torch.
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from atom.kernels import rows_per_chunk
+# Ids a program reads per chunk: one step of up to 128 tokens of top 8 in one go.
+_MAX_CHUNK = 1024
 
 
 @triton.jit
@@ -27,31 +31,25 @@ def _align_kernel(
     group_ends_ptr,
     num_pairs,
     pairs_per_token,
-    num_experts,
     BLOCK_N: tl.constexpr,
-    BLOCK_E: tl.constexpr,
 ):
-    experts = tl.arange(0, BLOCK_E)
+    expert = tl.program_id(0)
     pairs = tl.arange(0, BLOCK_N)
-    counts = tl.zeros((BLOCK_E,), dtype=tl.int32)
+    start = 0
     for first in range(0, num_pairs, BLOCK_N):
         inside = first + pairs < num_pairs
-        ids = tl.load(ids_ptr + first + pairs, mask=inside, other=-1).to(tl.int32)
-        hits = (ids[:, None] == experts[None, :]).to(tl.int32)
-        counts += tl.sum(hits, axis=0)
-    ends = tl.cumsum(counts, axis=0)
-    tl.store(group_ends_ptr + experts, ends, mask=experts < num_experts)
-    # Each pair's sorted row: its expert's start plus the earlier pairs of it.
-    next_row = ends - counts
+        ids = tl.load(ids_ptr + first + pairs, mask=inside, other=2147483647)
+        start += tl.sum((ids.to(tl.int32) < expert).to(tl.int32), axis=0)
+    next_row = start
     for first in range(0, num_pairs, BLOCK_N):
         inside = first + pairs < num_pairs
-        ids = tl.load(ids_ptr + first + pairs, mask=inside, other=-1).to(tl.int32)
-        hits = (ids[:, None] == experts[None, :]).to(tl.int32)
-        before = tl.cumsum(hits, axis=0) - hits + next_row[None, :]
-        row = tl.sum(hits * before, axis=1)
-        tl.store(position_ptr + first + pairs, row, mask=inside)
-        tl.store(token_of_ptr + row, (first + pairs) // pairs_per_token, mask=inside)
-        next_row += tl.sum(hits, axis=0)
+        ids = tl.load(ids_ptr + first + pairs, mask=inside, other=-1)
+        mine = (ids.to(tl.int32) == expert).to(tl.int32)
+        row = next_row + tl.cumsum(mine, axis=0) - mine
+        tl.store(position_ptr + first + pairs, row, mask=mine > 0)
+        tl.store(token_of_ptr + row, (first + pairs) // pairs_per_token, mask=mine > 0)
+        next_row += tl.sum(mine, axis=0)
+    tl.store(group_ends_ptr + expert, next_row)
 
 
 def align_to_experts_triton(
@@ -64,16 +62,13 @@ def align_to_experts_triton(
     token_of = torch.empty(num_pairs, dtype=torch.int32, device=ids.device)
     position = torch.empty_like(token_of)
     group_ends = torch.empty(num_experts, dtype=torch.int32, device=ids.device)
-    block_e = triton.next_power_of_2(num_experts)
-    _align_kernel[(1,)](
+    _align_kernel[(num_experts,)](
         ids,
         token_of,
         position,
         group_ends,
         num_pairs,
         expert_ids.shape[-1],
-        num_experts,
-        BLOCK_N=rows_per_chunk(block_e),
-        BLOCK_E=block_e,
+        BLOCK_N=min(_MAX_CHUNK, triton.next_power_of_2(max(num_pairs, 16))),
     )
     return token_of, position, group_ends

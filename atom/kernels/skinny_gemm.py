@@ -3,8 +3,13 @@
 The torch reference is `torch.nn.functional.linear` in fp32. At one to a few rows a
 small product is bound by latency, not bytes: cuBLAS spends a few microseconds on a
 0.5 MB weight, and its fp32 GEMVs take a cast and two kernels more. Here each
-program owns BLOCK_N output columns for every row, walks K in BLOCK_K steps, and
-accumulates in fp32 with a broadcast multiply and a sum (no tensor cores). x and W
+program owns BLOCK_N output columns of up to SKINNY_MAX_ROWS rows, walks K in
+BLOCK_K steps, and accumulates in fp32 with a broadcast multiply and a sum (no
+tensor cores). A narrow product (the router's 32 columns, KDA's 16 write
+strengths) takes up to NARROW_MAX_ROWS rows in blocks of SKINNY_MAX_ROWS: at a
+large decode batch cuBLAS runs its fp32 form as a cast, a SIMT GEMM and a split-K
+reduction (about 12 us at 128 rows on an H100, `benchmarks/profile_decode.py`).
+Prefill-sized products stay with cuBLAS, whose tiles read W once for many rows. x and W
 may differ in dtype: the router's and KDA's write-strength products read bf16
 activations against fp32 weights in one kernel. On large weights this form reads
 W more slowly than cuBLAS (51 % of the HBM rate against 80 % on an H100), and at
@@ -22,11 +27,21 @@ import triton.language as tl
 
 from atom.kernels import multiprocessors
 
-# The most rows this kernel takes: decode at small batches and a DSpark verify of
-# k = 7; beyond it cuBLAS's tiles read W once for many rows and win.
+# The rows one program holds, and the most a product of any width takes: decode at
+# small batches and a DSpark verify of k = 7; beyond it cuBLAS's tiles read W once
+# for many rows and win.
 SKINNY_MAX_ROWS = 8
+# Products of at most NARROW_MAX_COLUMNS columns take up to NARROW_MAX_ROWS rows
+# (decode batches), a program per SKINNY_MAX_ROWS of them.
+NARROW_MAX_COLUMNS = 64
+NARROW_MAX_ROWS = 256
 _MAX_BLOCK_N = 16
 _TILE_ELEMENTS = 8192  # [rows, BLOCK_N, BLOCK_K] products a program holds at once
+
+
+def skinny_max_rows(n: int) -> int:
+    """The most rows an `n`-column product takes."""
+    return NARROW_MAX_ROWS if n <= NARROW_MAX_COLUMNS else SKINNY_MAX_ROWS
 
 
 @dataclass(frozen=True)
@@ -39,16 +54,18 @@ class SkinnyTiles:
 def skinny_tiles(rows: int, n: int, k: int, units: int) -> SkinnyTiles:
     """Tiles for an [rows, k] x [n, k]^T product on a GPU of `units` multiprocessors.
 
-    BLOCK_N: the widest (up to 16) that still gives every unit two programs, so W
-    streams from every unit at once; each program re-reads x, so x's share of
-    the traffic is rows / BLOCK_N. BLOCK_K: row segments of 512 elements where one
-    row of x is read (coalesced, few steps); with more rows the product tile
-    [rows, BLOCK_N, BLOCK_K] stays within 8K elements of registers. A product too
-    narrow for that (one column a program) reads up to 2048 of K a step instead:
-    its programs are few, and each step is a round trip to memory."""
-    span = triton.next_power_of_2(max(1, rows))
+    BLOCK_N: the widest (up to 16) that still gives every unit two programs (over
+    column and row blocks), so W streams from every unit at once; each program
+    re-reads its rows of x, so x's share of the traffic is rows / BLOCK_N.
+    BLOCK_K: row segments of 512 elements where one row of x is read (coalesced,
+    few steps); with more rows the product tile [row block, BLOCK_N, BLOCK_K] stays
+    within 8K elements of registers. A product too narrow for that (one column a
+    program) reads up to 2048 of K a step instead: its programs are few, and each
+    step is a round trip to memory."""
+    span = triton.next_power_of_2(max(1, min(rows, SKINNY_MAX_ROWS)))
+    row_blocks = triton.cdiv(max(1, rows), SKINNY_MAX_ROWS)
     block_n = _MAX_BLOCK_N
-    while block_n > 1 and triton.cdiv(n, block_n) < 2 * units:
+    while block_n > 1 and triton.cdiv(n, block_n) * row_blocks < 2 * units:
         block_n //= 2
     wide_k = triton.next_power_of_2(k)
     widest = _TILE_ELEMENTS // (span * block_n)
@@ -76,7 +93,7 @@ def _skinny_gemm_kernel(
     BLOCK_K: tl.constexpr,
 ):
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    m = tl.arange(0, BLOCK_M)
+    m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols_ok, m_ok = cols < n, m < rows
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_w
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
@@ -109,16 +126,17 @@ def skinny_linear(
     out_dtype: torch.dtype | None = None,
     tiles: SkinnyTiles | None = None,
 ) -> torch.Tensor:
-    """x [..., K] (at most SKINNY_MAX_ROWS rows) times weight [N, K]^T (+ bias [N]),
-    in `out_dtype` (x's by default), accumulated in fp32. `tiles` overrides the
-    choice of `skinny_tiles` (the benchmark's sweep)."""
+    """x [..., K] (at most `skinny_max_rows(N)` rows) times weight [N, K]^T (+ bias
+    [N]), in `out_dtype` (x's by default), accumulated in fp32. `tiles` overrides
+    the choice of `skinny_tiles` (the benchmark's sweep)."""
     k = x.shape[-1]
     n = weight.shape[0]
     flat = x.reshape(-1, k)
     rows = flat.shape[0]
-    if rows > SKINNY_MAX_ROWS:
+    if rows > skinny_max_rows(n):
         raise ValueError(
-            f"skinny_linear takes up to {SKINNY_MAX_ROWS} rows, got {rows}"
+            f"skinny_linear takes up to {skinny_max_rows(n)} rows of a "
+            f"{n}-column product, got {rows}"
         )
     if weight.shape[1] != k:
         raise ValueError(f"x [..., {k}] does not match weight {tuple(weight.shape)}")
@@ -129,7 +147,8 @@ def skinny_linear(
     out = torch.empty(rows, n, dtype=out_dtype or x.dtype, device=x.device)
     if tiles is None:
         tiles = skinny_tiles(rows, n, k, multiprocessors(x.device))
-    _skinny_gemm_kernel[(triton.cdiv(n, tiles.block_n),)](
+    grid = (triton.cdiv(n, tiles.block_n), triton.cdiv(rows, SKINNY_MAX_ROWS))
+    _skinny_gemm_kernel[grid](
         flat,
         weight,
         bias if bias is not None else weight,
@@ -141,7 +160,7 @@ def skinny_linear(
         weight.stride(0),
         out.stride(0),
         HAS_BIAS=bias is not None,
-        BLOCK_M=triton.next_power_of_2(max(rows, 1)),
+        BLOCK_M=triton.next_power_of_2(max(1, min(rows, SKINNY_MAX_ROWS))),
         BLOCK_N=tiles.block_n,
         BLOCK_K=tiles.block_k,
         num_warps=tiles.num_warps,

@@ -8,8 +8,9 @@ there the skinny GEMM (`atom/kernels/skinny_gemm.py`) saved 2-4 us a product (H1
 faster (the kernel reached 0.63-0.92x its speed at one row, far less at eight), so
 they stay with cuBLAS. The kernel runs on a GPU, for half precision activations
 (fp32 models keep cuBLAS, whose products the transformers comparisons match
-exactly), without autograd, and at up to `SKINNY_MAX_ROWS` rows: shape facts, so a
-captured graph always takes the same path.
+exactly), without autograd, and at up to `skinny_max_rows` rows (a few, or a decode
+batch's for a narrow weight): shape facts, so a captured graph always takes the
+same path.
 """
 
 from __future__ import annotations
@@ -41,13 +42,13 @@ def dense_linear(
 
 
 def _skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    from atom.kernels.skinny_gemm import SKINNY_MAX_ROWS
+    from atom.kernels.skinny_gemm import skinny_max_rows
 
     return (
         x.is_cuda
         and weight.numel() <= _SKINNY_MAX_WEIGHT
         and x.dtype in _HALF
         and not torch.is_grad_enabled()
-        and x.numel() <= SKINNY_MAX_ROWS * x.shape[-1]
+        and x.numel() <= skinny_max_rows(weight.shape[0]) * x.shape[-1]
         and triton_available(x.device)
     )

@@ -38,8 +38,9 @@ ExpertPath = Literal["grouped_mm", "triton", "gemv", "loop"]
 # The paths with no host synchronisation, which a CUDA graph can capture.
 CAPTURABLE_PATHS = ("grouped_mm", "triton")
 
-# The Triton alignment is one program whose work grows with pairs x experts: above
-# this many (token, choice) pairs (prefill) the torch ops are faster.
+# The Triton alignment reads every id twice in each expert's program, so its work
+# grows with pairs x experts: above this many (token, choice) pairs (prefill) the
+# torch ops are faster.
 _TRITON_ALIGN_MAX_PAIRS = 8192
 
 # _grouped_mm wants 16-byte aligned rows.

@@ -8,7 +8,8 @@ from atom.kernels import triton_available
 from atom.model_ops.grouped_experts import align_to_experts
 from tests.kernels.devices import DEVICES
 
-SHAPES = [(1, 8, 32), (5, 3, 12), (37, 8, 32), (300, 2, 8), (4, 2, 130)]
+# (200, 8, 32): more pairs than a program reads in one chunk.
+SHAPES = [(1, 8, 32), (5, 3, 12), (37, 8, 32), (300, 2, 8), (4, 2, 130), (200, 8, 32)]
 
 
 def skewed_ids(tokens: int, top_k: int, experts: int) -> torch.Tensor:

@@ -6,9 +6,12 @@ import torch.nn.functional as F
 
 from atom.kernels import triton_available
 from atom.kernels.skinny_gemm import (
+    NARROW_MAX_COLUMNS,
+    NARROW_MAX_ROWS,
     SKINNY_MAX_ROWS,
     SkinnyTiles,
     skinny_linear,
+    skinny_max_rows,
     skinny_tiles,
 )
 from tests.kernels.devices import FLOAT_CASES
@@ -69,7 +72,7 @@ def test_half_activations_against_fp32_weights_give_fp32(device, dtype):
 def test_refuses_more_rows_and_mismatched_widths():
     x = torch.zeros(SKINNY_MAX_ROWS + 1, 8)
     with pytest.raises(ValueError, match="up to"):
-        skinny_linear(x, torch.zeros(4, 8))
+        skinny_linear(x, torch.zeros(NARROW_MAX_COLUMNS + 1, 8))
     with pytest.raises(ValueError, match="does not match"):
         skinny_linear(torch.zeros(1, 8), torch.zeros(4, 9))
 
@@ -85,3 +88,24 @@ def test_tiles_spread_narrow_products_over_the_gpu():
     eight = skinny_tiles(8, 6144, 2304, 132)
     assert 8 * eight.block_n * eight.block_k <= 8192 and eight.block_k >= 32
     assert skinny_tiles(1, 2048, 16, 132).block_k == 32
+
+
+@pytest.mark.parametrize("device,dtype", FLOAT_CASES)
+@pytest.mark.parametrize("rows", [SKINNY_MAX_ROWS + 1, 37, NARROW_MAX_ROWS])
+def test_narrow_products_take_a_decode_batch_of_rows(device, dtype, rows):
+    """The router's product at a large decode batch: row blocks of SKINNY_MAX_ROWS,
+    a partial last one included, each equal to the fp32 product."""
+    if not triton_available(device):
+        pytest.skip("triton cannot run here")
+    x, weight, _ = _operands(device, dtype, rows, 32, 96, weight_dtype=torch.float32)
+    out = skinny_linear(x, weight, out_dtype=torch.float32)
+    torch.testing.assert_close(out, F.linear(x.float(), weight))
+
+
+def test_only_narrow_products_take_more_rows():
+    assert skinny_max_rows(NARROW_MAX_COLUMNS) == NARROW_MAX_ROWS
+    assert skinny_max_rows(NARROW_MAX_COLUMNS + 1) == SKINNY_MAX_ROWS
+    with pytest.raises(ValueError, match="up to 8 rows of a 65-column"):
+        skinny_linear(torch.zeros(9, 8), torch.zeros(65, 8))
+    with pytest.raises(ValueError, match="up to 256 rows of a 32-column"):
+        skinny_linear(torch.zeros(257, 8), torch.zeros(32, 8))

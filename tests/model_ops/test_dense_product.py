@@ -1,26 +1,34 @@
 """model_ops/dense_product.py: every dense product equals F.linear, whichever kernel
-runs it (the skinny GEMM for few half-precision rows on CUDA, cuBLAS otherwise)."""
+runs it (the skinny GEMM for few half-precision rows on CUDA, or a decode batch's
+rows of a narrow weight; cuBLAS otherwise)."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from atom.kernels.skinny_gemm import SKINNY_MAX_ROWS
+from atom.kernels.skinny_gemm import (
+    NARROW_MAX_COLUMNS,
+    NARROW_MAX_ROWS,
+    SKINNY_MAX_ROWS,
+)
 from atom.model_ops.dense_product import dense_linear
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("rows", [1, SKINNY_MAX_ROWS, SKINNY_MAX_ROWS + 1])
+@pytest.mark.parametrize(
+    "rows", [1, SKINNY_MAX_ROWS, SKINNY_MAX_ROWS + 1, NARROW_MAX_ROWS + 1]
+)
+@pytest.mark.parametrize("width", [40, NARROW_MAX_COLUMNS + 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_products_equal_linear_at_every_row_count(device, rows, dtype):
+def test_products_equal_linear_at_every_row_count(device, rows, width, dtype):
     gen = torch.Generator(device=device).manual_seed(rows)
     x = torch.randn(rows, 96, generator=gen, device=device).to(dtype)
-    weight = (torch.randn(40, 96, generator=gen, device=device) / 10).to(dtype)
-    bias = torch.randn(40, generator=gen, device=device).to(dtype)
+    weight = (torch.randn(width, 96, generator=gen, device=device) / 10).to(dtype)
+    bias = torch.randn(width, generator=gen, device=device).to(dtype)
     out = dense_linear(x, weight, bias)
-    assert out.dtype == dtype and out.shape == (rows, 40)
+    assert out.dtype == dtype and out.shape == (rows, width)
     expected = F.linear(x.float(), weight.float(), bias.float()).to(dtype)
     tolerance = {} if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(out, expected, **tolerance)
