@@ -169,6 +169,15 @@ class BatchOutput:
             )
         works = [work for work in batch.work if work.sample]
         for work, choice in zip(works, self.choices):
+            # A plain decode row (no drafts, one token, no drafts proposed beyond
+            # the limit) needs no closer look: this runs per sequence per step.
+            if not (
+                work.num_drafts
+                or choice.num_accepted
+                or len(choice.token_ids) != 1
+                or len(choice.draft_token_ids) > num_speculative_tokens
+            ):
+                continue
             problem = _choice_problem(work, choice, num_speculative_tokens)
             if problem is not None:
                 raise RuntimeError(

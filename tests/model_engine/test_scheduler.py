@@ -305,6 +305,20 @@ def test_verify_result_is_checked_against_the_drafts():
         sched.postprocess(verify, answer(verify, [[71, 72]], [2], [[1, 1, 1]]))
 
 
+def test_a_plain_decode_answer_is_checked_too():
+    """Rows without drafts take a quick check; a bad answer still fails it."""
+    sched = make_scheduler()
+    sched.add(seq_of([5, 6, 7]))
+    batch = sched.schedule()
+    (seq_id,) = batch.sample_seq_ids
+    for choice, problem in [
+        (TokenChoice(seq_id, [1, 2], 0, []), "2 emitted tokens"),
+        (TokenChoice(seq_id, [1], 1, []), "1 accepted drafts of 0"),
+    ]:
+        with pytest.raises(RuntimeError, match=problem):
+            sched.postprocess(batch, BatchOutput(batch.batch_id, [choice]))
+
+
 # ---- protocol ----
 def test_output_of_another_batch_raises():
     sched = make_scheduler()
