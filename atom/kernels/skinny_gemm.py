@@ -8,7 +8,8 @@ BLOCK_K steps, and accumulates in fp32 with a broadcast multiply and a sum (no
 tensor cores). A narrow product (the router's 32 columns, KDA's 16 write
 strengths) takes up to NARROW_MAX_ROWS rows in blocks of SKINNY_MAX_ROWS: at a
 large decode batch cuBLAS runs its fp32 form as a cast, a SIMT GEMM and a split-K
-reduction (about 12 us at 128 rows on an H100, `benchmarks/profile_decode.py`).
+reduction, which took 1.4-2.4x this kernel's time at 32 and 128 rows on an H100
+(`benchmarks/bench_skinny_gemm.py --rows 32,128`, 2026-12-06).
 Prefill-sized products stay with cuBLAS, whose tiles read W once for many rows. x and W
 may differ in dtype: the router's and KDA's write-strength products read bf16
 activations against fp32 weights in one kernel. On large weights this form reads
