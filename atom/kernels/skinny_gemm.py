@@ -9,9 +9,9 @@ tensor cores). A narrow product (the router's 32 columns, KDA's 16 write
 strengths) takes up to NARROW_MAX_ROWS rows in blocks of SKINNY_MAX_ROWS: at a
 large decode batch cuBLAS runs its fp32 form as a cast, a SIMT GEMM and a split-K
 reduction, which took 1.4-2.4x this kernel's time at 32 and 128 rows on an H100
-(`benchmarks/bench_skinny_gemm.py --rows 32,128`, 2026-12-06).
-Prefill-sized products stay with cuBLAS, whose tiles read W once for many rows. x and W
-may differ in dtype: the router's and KDA's write-strength products read bf16
+(`benchmarks/bench_skinny_gemm.py --rows 32,128`, 2026-12-06). Prefill-sized
+products stay with cuBLAS, whose tiles read W once for many rows. x and W may
+differ in dtype: the router's and KDA's write-strength products read bf16
 activations against fp32 weights in one kernel. On large weights this form reads
 W more slowly than cuBLAS (51 % of the HBM rate against 80 % on an H100), and at
 eight rows its product tile spills; `model_ops/dense_product.py` gives it small
