@@ -133,6 +133,21 @@ def profile_run(
     )
 
 
+def checkpoint_and_prompts(
+    args: argparse.Namespace, batches: list[int], tmp: str
+) -> tuple[Path, list[list[int]]]:
+    """The checkpoint folder (written under `tmp` unless `--checkpoint` holds one)
+    and prompts for the largest batch, as `bench_vs_transformers.py` makes them."""
+    preset = dataclasses.replace(PRESETS[args.preset], dtype=args.dtype)
+    config = kimi_config(preset)
+    limit = min(config.bos_token_id, config.eos_token_id, config.pad_token_id)
+    prompts = random_prompts(max(batches), args.input_len, limit, args.seed)
+    folder = Path(args.checkpoint or Path(tmp) / "kimi-linear")
+    if not (folder / "config.json").is_file():
+        build_checkpoint(preset, folder, args)
+    return folder, prompts
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="issue10")
@@ -153,15 +168,9 @@ def main() -> None:
         help="folder for the checkpoint; reused if it holds one (default: temp)",
     )
     args = parser.parse_args()
-    preset = dataclasses.replace(PRESETS[args.preset], dtype=args.dtype)
     batches = [int(b) for b in args.batch_sizes.split(",")]
-    config = kimi_config(preset)
-    limit = min(config.bos_token_id, config.eos_token_id, config.pad_token_id)
-    prompts = random_prompts(max(batches), args.input_len, limit, args.seed)
     with tempfile.TemporaryDirectory() as tmp:
-        folder = Path(args.checkpoint or Path(tmp) / "kimi-linear")
-        if not (folder / "config.json").is_file():
-            build_checkpoint(preset, folder, args)
+        folder, prompts = checkpoint_and_prompts(args, batches, tmp)
         for eager in [False, True] if args.eager else [False]:
             engine = LLMEngine(
                 str(folder),

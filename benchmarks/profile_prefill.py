@@ -14,22 +14,17 @@ long the host waited for the device, and the kernels that take the most time.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 from bench_vs_transformers import (
     DTYPES,
     PRESETS,
     atom_engine_kwargs,
-    build_checkpoint,
-    kimi_config,
-    random_prompts,
     synchronize,
 )
-from profile_decode import host_wait_us, kernel_times
+from profile_decode import checkpoint_and_prompts, host_wait_us, kernel_times
 from torch.profiler import ProfilerActivity, profile
 
 from atom import LLMEngine, SamplingParams
@@ -89,15 +84,9 @@ def main() -> None:
     # The engine settings of bench_vs_transformers.py, its defaults included.
     args.online_quant_config = args.async_scheduling = None
     args.kv_cache_dtype, args.enforce_eager = "auto", False
-    preset = dataclasses.replace(PRESETS[args.preset], dtype=args.dtype)
     batches = [int(b) for b in args.batch_sizes.split(",")]
-    config = kimi_config(preset)
-    limit = min(config.bos_token_id, config.eos_token_id, config.pad_token_id)
-    prompts = random_prompts(max(batches), args.input_len, limit, args.seed)
     with tempfile.TemporaryDirectory() as tmp:
-        folder = Path(args.checkpoint or Path(tmp) / "kimi-linear")
-        if not (folder / "config.json").is_file():
-            build_checkpoint(preset, folder, args)
+        folder, prompts = checkpoint_and_prompts(args, batches, tmp)
         engine = LLMEngine(str(folder), **atom_engine_kwargs(args, batches))
         try:
             for batch in batches:
