@@ -45,6 +45,13 @@ def skinny_max_rows(n: int) -> int:
     return NARROW_MAX_ROWS if n <= NARROW_MAX_COLUMNS else SKINNY_MAX_ROWS
 
 
+def _row_blocks(rows: int) -> tuple[int, int]:
+    """(BLOCK_M, row programs): the rows one program holds, padded to a power of
+    two, and how many programs cover `rows`."""
+    block_m = triton.next_power_of_2(max(1, min(rows, SKINNY_MAX_ROWS)))
+    return block_m, triton.cdiv(max(1, rows), SKINNY_MAX_ROWS)
+
+
 @dataclass(frozen=True)
 class SkinnyTiles:
     block_n: int
@@ -63,8 +70,7 @@ def skinny_tiles(rows: int, n: int, k: int, units: int) -> SkinnyTiles:
     within 8K elements of registers. A product too narrow for that (one column a
     program) reads up to 2048 of K a step instead: its programs are few, and each
     step is a round trip to memory."""
-    span = triton.next_power_of_2(max(1, min(rows, SKINNY_MAX_ROWS)))
-    row_blocks = triton.cdiv(max(1, rows), SKINNY_MAX_ROWS)
+    span, row_blocks = _row_blocks(rows)
     block_n = _MAX_BLOCK_N
     while block_n > 1 and triton.cdiv(n, block_n) * row_blocks < 2 * units:
         block_n //= 2
@@ -148,8 +154,8 @@ def skinny_linear(
     out = torch.empty(rows, n, dtype=out_dtype or x.dtype, device=x.device)
     if tiles is None:
         tiles = skinny_tiles(rows, n, k, multiprocessors(x.device))
-    grid = (triton.cdiv(n, tiles.block_n), triton.cdiv(rows, SKINNY_MAX_ROWS))
-    _skinny_gemm_kernel[grid](
+    block_m, row_blocks = _row_blocks(rows)
+    _skinny_gemm_kernel[(triton.cdiv(n, tiles.block_n), row_blocks)](
         flat,
         weight,
         bias if bias is not None else weight,
@@ -161,7 +167,7 @@ def skinny_linear(
         weight.stride(0),
         out.stride(0),
         HAS_BIAS=bias is not None,
-        BLOCK_M=triton.next_power_of_2(max(1, min(rows, SKINNY_MAX_ROWS))),
+        BLOCK_M=block_m,
         BLOCK_N=tiles.block_n,
         BLOCK_K=tiles.block_k,
         num_warps=tiles.num_warps,

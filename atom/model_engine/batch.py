@@ -169,15 +169,6 @@ class BatchOutput:
             )
         works = [work for work in batch.work if work.sample]
         for work, choice in zip(works, self.choices):
-            # A plain decode row (no drafts, one token, no drafts proposed beyond
-            # the limit) needs no closer look: this runs per sequence per step.
-            if not (
-                work.num_drafts
-                or choice.num_accepted
-                or len(choice.token_ids) != 1
-                or len(choice.draft_token_ids) > num_speculative_tokens
-            ):
-                continue
             problem = _choice_problem(work, choice, num_speculative_tokens)
             if problem is not None:
                 raise RuntimeError(
@@ -191,6 +182,11 @@ def _choice_problem(
 ) -> str | None:
     """What is inconsistent in one sequence's choice, or None (the message is
     formed only on failure: this runs per sequence per step)."""
+    if not (work.num_drafts or choice.num_accepted) and (
+        len(choice.token_ids) == 1
+        and len(choice.draft_token_ids) <= num_speculative_tokens
+    ):
+        return None  # a plain decode row: nothing to slice and compare
     verified = work.token_ids[1 : 1 + work.num_drafts]
     tokens, accepted = choice.token_ids, choice.num_accepted
     if not 0 <= accepted <= len(verified):
