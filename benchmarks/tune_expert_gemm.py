@@ -1,4 +1,4 @@
-"""Tile choices of atom's grouped expert GEMM, timed at a model's decode shapes.
+"""Tile choices of atom's grouped expert GEMM at a model's decode and prefill shapes.
 
 For each batch size, the routed (token, expert) pairs of a random top-k routing are
 sorted by expert, and both projections of the experts run through
@@ -6,13 +6,15 @@ sorted by expert, and both projections of the experts run through
 product reads the tokens' rows through the sort (fused gather), the down product
 the sorted rows. Each call is timed as a CUDA graph replay (`bench_kernels.time_us`)
 and reported as microseconds and as a fraction of the GPU's HBM bandwidth over the
-bytes it must read (the used experts' weights). The default tiles come first, then
-the five fastest candidates per projection and batch.
+bytes it must read (the used experts' weights) and as TFLOP/s (a prefill-sized
+batch, thousands of tokens, is bound by the tensor cores instead). The default tiles
+come first, then the five fastest candidates per projection and batch.
 
 The shapes default to `bench_vs_transformers.py`'s issue10 preset (32 experts of
 2304 x 1024, top 8, bf16).
 
     python benchmarks/tune_expert_gemm.py --batch-sizes 1,32,128
+    python benchmarks/tune_expert_gemm.py --batch-sizes 8192  # 32 prompts of 256
 """
 
 from __future__ import annotations
@@ -28,11 +30,18 @@ from atom.kernels.expert_gemm import GemmTiles, default_tiles, expert_gemm
 from atom.model_ops.grouped_experts import align_to_experts
 
 
-def candidates(block_m: int) -> list[GemmTiles]:
-    """The grid searched: decode-sized row tiles, narrower (more programs) and wider
-    column tiles, deeper K slices, more warps and pipeline stages."""
-    grid = itertools.product((32, 64, 128), (64, 128, 256), (4, 8), (3, 5))
-    return [GemmTiles(block_m, n, k, warps, stages) for n, k, warps, stages in grid]
+def candidates(block_m: int, rows_per_expert: float) -> list[GemmTiles]:
+    """The grid searched. At decode shapes: the default's row tiles, narrower (more
+    programs) and wider column tiles, deeper K slices, more warps and pipeline
+    stages. At prefill shapes (hundreds of rows an expert): taller and wider tiles
+    for the tensor cores, a smaller grid since each choice compiles anew."""
+    if rows_per_expert < 128:
+        grid = itertools.product(
+            (block_m,), (32, 64, 128), (64, 128, 256), (4, 8), (3, 5)
+        )
+    else:
+        grid = itertools.product((64, 128), (64, 128), (32, 64), (4, 8), (3, 4))
+    return [GemmTiles(m, n, k, warps, stages) for m, n, k, warps, stages in grid]
 
 
 def time_product(
@@ -63,9 +72,11 @@ def tune(args: argparse.Namespace, batch: int, peak: float) -> None:
     }
     for name, (rows, weight, source) in products.items():
         moved = used * weight[0].numel() * weight.element_size()
-        default = default_tiles(token_of.numel(), experts, dtype, fp8=False)
+        pairs = token_of.numel()
+        flops = 2 * pairs * weight[0].numel()
+        default = default_tiles(pairs, experts, dtype, fp8=False)
         timed = []
-        for tiles in [default, *candidates(default.block_m)]:
+        for tiles in [default, *candidates(default.block_m, pairs / used)]:
             try:
                 us = time_product(rows, weight, ends, source, tiles, args.iters)
             except Exception as error:  # noqa: BLE001 - e.g. out of shared memory
@@ -79,7 +90,7 @@ def tune(args: argparse.Namespace, batch: int, peak: float) -> None:
             share = 100 * moved / (us * 1e-6) / peak
             print(
                 f"  {label:8s}{us:8.1f} us ({default_us / us:4.2f}x) "
-                f"{share:5.1f} % of HBM  {tiles}"
+                f"{share:5.1f} % of HBM {flops / us / 1e6:6.1f} TFLOP/s  {tiles}"
             )
 
 
