@@ -40,7 +40,7 @@ def candidates(block_m: int, rows_per_expert: float) -> list[GemmTiles]:
             (block_m,), (32, 64, 128), (64, 128, 256), (4, 8), (3, 5)
         )
     else:
-        grid = itertools.product((64, 128), (64, 128), (32, 64), (4, 8), (3, 4))
+        grid = itertools.product((64, 128), (64, 128), (64,), (4, 8), (3, 4))
     return [GemmTiles(m, n, k, warps, stages) for m, n, k, warps, stages in grid]
 
 
