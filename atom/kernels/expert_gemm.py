@@ -137,27 +137,9 @@ class GemmTiles:
     num_stages: int = 3
 
 
-# Rows per expert, on average, from which a half-precision product is prefill-sized:
-# bound by the tensor cores rather than by reading the weights.
-PREFILL_ROWS_PER_EXPERT = 128
-# Tall, wide tiles for those products on NVIDIA GPUs: each K slice of an expert's
-# weight then serves 128 rows, and 8 warps keep the tensor cores fed. They take 96
-# KiB of shared memory (3 stages), more than a ROCm GPU's 64 KiB, so ROCm keeps
-# the general tiles.
-PREFILL_TILES = GemmTiles(128, 128, 64, num_warps=8, num_stages=3)
-
-
 def default_tiles(
     num_rows: int, num_experts: int, dtype: torch.dtype, fp8: bool
 ) -> GemmTiles:
-    """The tiles of a product over `num_rows` sorted rows and `num_experts` groups."""
-    half = dtype in (torch.bfloat16, torch.float16) and not fp8
-    if (
-        half
-        and num_rows >= PREFILL_ROWS_PER_EXPERT * num_experts
-        and torch.version.hip is None
-    ):
-        return PREFILL_TILES
     # Few rows per expert (decode) waste less of a small tile.
     block_m = 16 if num_rows <= 4 * num_experts else 64
     block_k = 128 if fp8 else 32 if dtype == torch.float32 else 64
