@@ -70,13 +70,14 @@ def tune(args: argparse.Namespace, batch: int, peak: float) -> None:
         "w13 (gather)": (x, w13, token_of),
         "w2": (sorted_rows, w2, None),
     }
+    pairs = token_of.numel()
+    default = default_tiles(pairs, experts, dtype, fp8=False)
+    choices = [default, *candidates(default.block_m, pairs / used)]
     for name, (rows, weight, source) in products.items():
         moved = used * weight[0].numel() * weight.element_size()
-        pairs = token_of.numel()
         flops = 2 * pairs * weight[0].numel()
-        default = default_tiles(pairs, experts, dtype, fp8=False)
         timed = []
-        for tiles in [default, *candidates(default.block_m, pairs / used)]:
+        for tiles in choices:
             try:
                 us = time_product(rows, weight, ends, source, tiles, args.iters)
             except Exception as error:  # noqa: BLE001 - e.g. out of shared memory
