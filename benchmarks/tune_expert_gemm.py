@@ -71,7 +71,7 @@ def tune(args: argparse.Namespace, batch: int, peak: float) -> None:
         "w2": (sorted_rows, w2, None),
     }
     pairs = token_of.numel()
-    default = default_tiles(pairs, experts, dtype, fp8=False)
+    default = default_tiles(pairs, experts, dtype, False, x.device)
     choices = [default, *candidates(default.block_m, pairs / used)]
     for name, (rows, weight, source) in products.items():
         moved = used * weight[0].numel() * weight.element_size()

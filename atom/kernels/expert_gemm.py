@@ -16,12 +16,13 @@ scales. On sm89+ NVIDIA GPUs the dot reads the e4m3 operands as they are; elsewh
 value exactly, and multiplies those. The scales apply once, after the K loop.
 
 `GemmTiles` is a launch's tile shape and pipelining. `default_tiles` chooses it
-from the rows per expert and the operand type; `benchmarks/tune_expert_gemm.py`
+from the rows per expert, the operand type and the device's shared memory; `benchmarks/tune_expert_gemm.py`
 times other choices at a model's shapes on a GPU.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -137,9 +138,45 @@ class GemmTiles:
     num_stages: int = 3
 
 
+# Rows per expert, on average, from which a half-precision product is prefill-sized:
+# bound by the tensor cores rather than by reading the weights.
+PREFILL_ROWS_PER_EXPERT = 128
+# Tall, wide tiles for those products: each K slice of an expert's weight then
+# serves 128 rows, and 8 warps keep the tensor cores fed.
+PREFILL_TILES = GemmTiles(128, 128, 64, num_warps=8, num_stages=3)
+
+
+def shared_memory_bytes(tiles: GemmTiles, element_size: int) -> int:
+    """Shared memory a launch stages: one row tile and one weight tile per stage."""
+    per_stage = (tiles.block_m + tiles.block_n) * tiles.block_k * element_size
+    return tiles.num_stages * per_stage
+
+
+@functools.cache
+def _device_shared_memory(device: torch.device) -> int | None:
+    """The most shared memory one program may opt into on `device`; None where
+    there is no such limit (Triton's interpreter on the CPU)."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_properties(device).shared_memory_per_block_optin
+
+
 def default_tiles(
-    num_rows: int, num_experts: int, dtype: torch.dtype, fp8: bool
+    num_rows: int,
+    num_experts: int,
+    dtype: torch.dtype,
+    fp8: bool,
+    device: torch.device,
 ) -> GemmTiles:
+    """The tiles of a product over `num_rows` sorted rows and `num_experts` groups
+    on `device`."""
+    half = dtype in (torch.bfloat16, torch.float16) and not fp8
+    if half and num_rows >= PREFILL_ROWS_PER_EXPERT * num_experts:
+        # 96 KiB fits a Hopper SM but not every GPU (a ROCm CU has 64 KiB).
+        limit = _device_shared_memory(device)
+        needed = shared_memory_bytes(PREFILL_TILES, dtype.itemsize)
+        if limit is None or needed <= limit:
+            return PREFILL_TILES
     # Few rows per expert (decode) waste less of a small tile.
     block_m = 16 if num_rows <= 4 * num_experts else 64
     block_k = 128 if fp8 else 32 if dtype == torch.float32 else 64
@@ -241,7 +278,9 @@ def _launch(
     if num_rows == 0:
         return out
     if tiles is None:
-        tiles = default_tiles(num_rows, num_experts, rows.dtype, scales is not None)
+        tiles = default_tiles(
+            num_rows, num_experts, rows.dtype, scales is not None, rows.device
+        )
     group_ends = group_ends.to(torch.int32)
     tile_lists = {} if tile_lists is None else tile_lists
     if tiles.block_m not in tile_lists:

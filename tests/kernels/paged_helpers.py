@@ -24,12 +24,6 @@ def poison_past_ends(cache, value=float("nan")):
     cache[9, 2:] = cache[5] = cache[18] = value
 
 
-def half_dtype(device):
-    # Triton 3.9's interpreter computes bf16 tl.dot wrong (fp16 is right): the
-    # half-precision path is tested in fp16 on CPU, in bf16 on a GPU.
-    return torch.bfloat16 if device == "cuda" else torch.float16
-
-
 def step(device, rows, batch=3):
     """Metadata of the last `batch` sequences with `rows` rows each (an int) or
     rows[i] rows for sequence i (a list: a non-uniform batch)."""

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from atom.kernels import triton_available
 from atom.model_ops.grouped_experts import align_to_experts
-from tests.kernels.devices import DEVICES
+from tests.kernels.devices import DEVICES, half_dtype
 
 
 def tile_choices():
@@ -54,3 +54,60 @@ def test_every_tile_choice_gives_the_grouped_product(device, tokens, choice):
         tiles=tile_choices()[choice],
     )
     torch.testing.assert_close(out.cpu(), expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize("device", DEVICES)
+def test_prefill_sized_groups_take_the_prefill_tiles_and_give_the_product(device):
+    """A prompt's worth of rows per expert in half precision: the default tiles are
+    the tall prefill ones wherever their shared memory fits, and they give the grouped product (groups
+    shorter and longer than one 128-row tile, widths off the tile sizes)."""
+    if not triton_available(device):
+        pytest.skip("triton cannot run here")
+    dtype = half_dtype(device)
+    from atom.kernels.expert_gemm import (
+        PREFILL_ROWS_PER_EXPERT,
+        PREFILL_TILES,
+        default_tiles,
+        expert_gemm,
+        shared_memory_bytes,
+    )
+
+    gen = torch.Generator().manual_seed(0)
+    experts, top_k, n, k = 3, 2, 136, 72
+    tokens = PREFILL_ROWS_PER_EXPERT * experts // top_k + 5
+    fits = True
+    if device == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        fits = (
+            shared_memory_bytes(PREFILL_TILES, 2) <= props.shared_memory_per_block_optin
+        )
+    tiles = default_tiles(tokens * top_k, experts, dtype, False, torch.device(device))
+    assert (tiles == PREFILL_TILES) == fits
+    # Uneven groups: expert 0 takes every token, experts 1 and 2 share the rest.
+    ids = torch.stack([torch.tensor([0, 1 + t % 2]) for t in range(tokens)])
+    token_of, _, ends = align_to_experts(ids, experts)
+    x = torch.randn(tokens, k, generator=gen).to(dtype)
+    weight = (torch.randn(experts, n, k, generator=gen) / k**0.5).to(dtype)
+    expected = torch.empty(token_of.numel(), n)
+    start = 0
+    for expert, end in enumerate(ends.tolist()):
+        rows = x[token_of[start:end]].float()
+        expected[start:end] = F.linear(rows, weight[expert].float())
+        start = end
+    out = expert_gemm(
+        x.to(device),
+        weight.to(device),
+        ends.to(device),
+        token_of.to(device=device, dtype=torch.int32),
+    )
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float().cpu(), expected, atol=2e-2, rtol=2e-2)
+
+
+def test_the_prefill_tiles_stage_96_kib_in_half_precision():
+    """Three stages of a 128-row and a 128-column tile, 64 deep: more than a ROCm
+    CU's 64 KiB, within a Hopper SM's 227 KiB."""
+    from atom.kernels.expert_gemm import PREFILL_TILES, shared_memory_bytes
+
+    assert shared_memory_bytes(PREFILL_TILES, 2) == 96 * 1024

@@ -18,12 +18,11 @@ from atom.model_ops.paged_attention import gqa_attention
 from atom.model_ops.paged_cache import gather_kv
 from atom.model_ops.visibility import sequence_key_ends, sequence_visibility
 from atom.utils.arithmetic import ceil_div
-from tests.kernels.devices import DEVICES
+from tests.kernels.devices import DEVICES, half_dtype
 from tests.kernels.paged_helpers import (
     BLOCK_SIZE,
     TABLE_WIDTH,
     UNEVEN,
-    half_dtype,
     poison_past_ends,
     random_cache,
     step,

@@ -9,10 +9,9 @@ from atom.kernels.paged_index_scores import index_block_scores
 from atom.model_ops.block_sparse import IndexerConfig, kept_blocks, pooled_block_scores
 from atom.model_ops.paged_cache import gather_kv
 from atom.model_ops.visibility import sequence_key_ends, sequence_visibility
-from tests.kernels.devices import DEVICES
+from tests.kernels.devices import DEVICES, half_dtype
 from tests.kernels.paged_helpers import (
     UNEVEN,
-    half_dtype,
     poison_past_ends,
     random_cache,
     step,
