@@ -93,7 +93,7 @@ def measure(heads: int, dim: int, batch: int, rows: int, iters: int) -> tuple:
         return o
 
     def row_by_row():
-        conved = backend.conv_decode(mixed, conv_weight, conv, metadata)
+        conved = backend.conv(mixed, conv_weight, conv, metadata)
         q, k, v = split(conved)
         return backend.decode(q, k, v, g, beta, ssm)
 

@@ -47,7 +47,7 @@ from atom.model_ops.kda import l2_normalize
 from atom.model_ops.kda_backend import (
     StateSlots,
     select_kda_backend,
-    torch_conv_decode,
+    torch_conv,
     torch_decode,
 )
 from atom.model_ops.layernorm import rms_norm_reference
@@ -142,8 +142,8 @@ def bench_kda(batch: int, iters: int) -> None:
     conv_pool = torch.randn(batch, 3 * width, CONV_WIDTH - 1, device=dev, dtype=bf16)
     weight = torch.randn(3 * width, CONV_WIDTH, device=dev)
     conv = StateSlots(conv_pool, metadata.state_slots, metadata.context_lens)
-    ours = time_us(lambda: triton.conv_decode(mixed, weight, conv, metadata), iters)
-    reference = time_us(lambda: torch_conv_decode(mixed, weight, conv, metadata), iters)
+    ours = time_us(lambda: triton.conv(mixed, weight, conv, metadata), iters)
+    reference = time_us(lambda: torch_conv(mixed, weight, conv, metadata), iters)
     moved = 2 * conv_pool.numel() * 2 + 2 * mixed.numel() * 2
     report("kda conv", batch, ours, reference, moved)
 

@@ -63,7 +63,7 @@ class KDABackend(Protocol):
 
     def runs_as_decode(self, batch: int, rows: int) -> bool:
         """Whether a step of `batch` sequences padded to `rows` rows (not a verify
-        step: that always is) runs through `decode` and `conv_decode`, row by row
+        step: that always is) runs through `decode`, row by row
         in the state pools, rather than through `prefill`."""
         ...
 
@@ -94,15 +94,15 @@ class KDABackend(Protocol):
         o [B, T, h, Dv]; the pool (and the snapshots on verify) updated in place."""
         ...
 
-    def conv_decode(
+    def conv(
         self,
         mixed: torch.Tensor,
         weight: torch.Tensor,
         states: StateSlots,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        """The short conv + SiLU of decode / verify rows mixed [B, T, C] (weight
-        [C, K]) continuing each sequence's conv history, [B, T, C] in mixed.dtype;
+        """The short conv + SiLU of a step's rows mixed [B, T, C] (weight [C, K])
+        continuing each sequence's conv history, [B, T, C] in mixed.dtype;
         the conv pool (and its snapshots on verify) updated in place."""
         ...
 
@@ -117,13 +117,13 @@ def torch_decode(q, k, v, g, beta, states: StateSlots) -> torch.Tensor:
     return o
 
 
-def torch_conv_decode(
+def torch_conv(
     mixed: torch.Tensor,
     weight: torch.Tensor,
     states: StateSlots,
     metadata: AttentionMetadata,
 ) -> torch.Tensor:
-    """The reference conv of decode rows: gather, `causal_conv1d`, scatter."""
+    """The reference conv of a step's rows: gather, `causal_conv1d`, scatter."""
     history = states.gather()
     lengths = None if metadata.query_len else metadata.query_start_loc.diff()
     conved, final = causal_conv1d(mixed, weight, history, lengths)
@@ -138,7 +138,7 @@ class TorchKDABackend:
     """Plain PyTorch: padded rows (g = 0, beta = 0) are neutral, so no lengths needed."""
 
     name = "torch"
-    conv_decode = staticmethod(torch_conv_decode)
+    conv = staticmethod(torch_conv)
 
     def runs_as_decode(self, batch, rows):
         return rows == 1
@@ -160,7 +160,7 @@ class FlaKDABackend:
     """
 
     name = "fla"
-    conv_decode = staticmethod(torch_conv_decode)
+    conv = staticmethod(torch_conv)
 
     def runs_as_decode(self, batch, rows):
         return rows == 1
@@ -200,10 +200,11 @@ class FlaKDABackend:
 
 
 class TritonKDABackend:
-    """atom's decode kernels (`atom/kernels/kda_decode.py`, `kda_conv_decode.py`):
-    each sequence's states are read from and written to its slots inside the
-    kernels, verify snapshots too.
-    Prefill runs `prefill_backend` (fla's chunked kernels when importable), but for
+    """atom's kernels (`atom/kernels/kda_decode.py`, `kda_conv.py`): each
+    sequence's states are read from and written to its slots inside the kernels,
+    verify snapshots too. The short conv of every step runs in `kda_conv.py`.
+    The recurrence of a prefill runs `prefill_backend` (fla's chunked kernels when
+    importable), but for
     small prefills: there the two decode kernels, looping over the rows, cost one
     launch each per layer where fla's chunked KDA costs over ten, each with its
     Python-side dispatch, and the GPU's time is the smaller share of either.
@@ -221,12 +222,12 @@ class TritonKDABackend:
 
     def __init__(self, prefill_backend: KDABackend) -> None:
         # Imported here: the kernel modules import triton, which may be absent.
-        from atom.kernels.kda_conv_decode import kda_conv_decode_in_pool
+        from atom.kernels.kda_conv import kda_conv_in_pool
         from atom.kernels.kda_decode import kda_decode_in_pool
 
         self.prefill_backend = prefill_backend
         self._decode = kda_decode_in_pool
-        self._conv = kda_conv_decode_in_pool
+        self._conv = kda_conv_in_pool
 
     def runs_as_decode(self, batch, rows):
         return rows == 1 or (
@@ -234,7 +235,7 @@ class TritonKDABackend:
             and batch * rows <= self.max_decode_prefill_tokens
         )
 
-    def conv_decode(self, mixed, weight, states, metadata):
+    def conv(self, mixed, weight, states, metadata):
         return self._conv(
             mixed,
             weight,

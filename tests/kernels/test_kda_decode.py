@@ -1,4 +1,4 @@
-"""atom/kernels/kda_decode.py and kda_conv_decode.py against the torch decode
+"""atom/kernels/kda_decode.py and kda_conv.py against the torch decode
 (gather, the reference math, scatter)."""
 
 import pytest
@@ -11,7 +11,7 @@ from atom.model_ops.kda import l2_normalize
 from atom.model_ops.kda_backend import (
     StateSlots,
     select_kda_backend,
-    torch_conv_decode,
+    torch_conv,
     torch_decode,
 )
 from tests.kernels.devices import DEVICES
@@ -79,7 +79,7 @@ def conv_step(device, lengths):
             seq_id=i,
             token_ids=[1] * n,
             context_len=8,
-            block_table=[0, 1],
+            block_table=list(range(8)),
             state_slot=i,
             num_drafts=n - 1,
         )
@@ -90,7 +90,14 @@ def conv_step(device, lengths):
 
 @pytest.mark.kernels
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("lengths,verify", [([1, 1, 1], False), ([4, 2, 3], True)])
+@pytest.mark.parametrize(
+    "lengths,verify",
+    [
+        ([1, 1, 1], False),  # decode
+        ([4, 2, 3], True),  # verify
+        ([70, 2, 33], False),  # prefill: several tiles of rows, uneven prompts
+    ],
+)
 def test_conv_kernel_updates_the_pool_as_the_torch_conv_does(device, lengths, verify):
     if not triton_available(device):
         pytest.skip("triton cannot run here")
@@ -113,10 +120,10 @@ def test_conv_kernel_updates_the_pool_as_the_torch_conv_does(device, lengths, ve
     pools = [pool.clone(), pool.clone()]
     snaps = [snapshots.clone(), snapshots.clone()] if verify else [None, None]
     triton = select_kda_backend(device, "triton")
-    y = triton.conv_decode(
+    y = triton.conv(
         mixed, weight, StateSlots(pools[0], slots, context_lens, snaps[0]), metadata
     )
-    y_ref = torch_conv_decode(
+    y_ref = torch_conv(
         mixed, weight, StateSlots(pools[1], slots, context_lens, snaps[1]), metadata
     )
     tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else {}

@@ -15,7 +15,6 @@ from atom.distributed.parallel_state import get_tp_group
 from atom.kernels import triton_available
 from atom.model_ops.dense_product import dense_linear
 from atom.model_ops.kda import (
-    causal_conv1d,
     kda_forget_gate,
     kda_output_norm_gate,
     l2_normalize,
@@ -258,16 +257,7 @@ class KimiDeltaAttention(nn.Module):
             self._check_snapshot_rows(rows)
             ssm = dataclasses.replace(ssm, snapshots=self.ssm_snapshots)
             conv = dataclasses.replace(conv, snapshots=self.conv_snapshots)
-        if decode:
-            conved = self._backend.conv_decode(
-                mixed, self._conv_weight(), conv, metadata
-            )
-        else:
-            lengths = None if metadata.query_len else metadata.query_start_loc.diff()
-            conved, conv_out = causal_conv1d(
-                mixed, self._conv_weight(), conv.gather(), lengths
-            )
-            conv.scatter(conv_out, None)
+        conved = self._backend.conv(mixed, self._conv_weight(), conv, metadata)
         v = conved[..., 2 * self.local_width :]
         v = v.reshape(batch, rows, self.heads, self.head_dim)
         if self._pointwise_kernels(conved):

@@ -1,12 +1,16 @@
-"""KDA's short causal conv on decode / verify rows in Triton, in the conv-state pool.
+"""KDA's short causal conv in Triton, in the conv-state pool: decode, verify and
+prefill rows alike.
 
-The torch reference is `atom.model_ops.kda_backend.torch_conv_decode`: gather each
+The torch reference is `atom.model_ops.kda_backend.torch_conv`: gather each
 sequence's last K-1 inputs from its slot, `causal_conv1d` + SiLU over them and this
 step's rows, the per-row states of `conv_state_after_each_row` on verify, scatter.
-Here each program owns one sequence and BLOCK_C channels: every output row reads its
-K taps straight from the slot (the history) or from this step's rows, so nothing is
-gathered, padded, transposed or cast on the way; the state after the sequence's last
-row (and on verify after every row) is written back to the slot in the pool.
+Here each program owns one sequence and BLOCK_C channels and walks the rows in tiles
+of up to MAX_BLOCK_ROWS: every output row reads its K taps straight from the slot
+(the history) or from this step's rows, so nothing is gathered, padded, transposed
+or cast to fp32 in memory on the way (the torch form does all four, which made it a
+tenth of a bf16 prefill's kernel time); the state after the sequence's last row (and
+on verify after every row) is written back to the slot in the pool once every read
+of the old one is done.
 """
 
 from __future__ import annotations
@@ -18,8 +22,9 @@ import triton.language as tl
 
 @triton.jit
 def _tap(x_base, stride_xt, state_base, index, c, c_ok, fresh, HISTORY: tl.constexpr):
-    """Input `index` of the sequence's stream as fp32 [BLOCK_C]: the slot's history
-    for index < HISTORY (zeros for a fresh sequence), else row index - HISTORY."""
+    """Input `index` of the sequence's stream as fp32 ([BLOCK_C], or [BLOCK_T,
+    BLOCK_C] for a column of indices): the slot's history for index < HISTORY (zeros
+    for a fresh sequence), else row index - HISTORY."""
     # As a vector: a scalar comparison may be a plain bool (the index is often a
     # compile-time number), which does not combine with a mask.
     in_history = (c * 0 + index) < HISTORY
@@ -34,7 +39,7 @@ def _tap(x_base, stride_xt, state_base, index, c, c_ok, fresh, HISTORY: tl.const
 
 
 @triton.jit
-def _conv_decode_kernel(
+def _conv_kernel(
     x_ptr,
     w_ptr,
     y_ptr,
@@ -51,6 +56,7 @@ def _conv_decode_kernel(
     stride_snap_slot,
     stride_snap_row,
     KERNEL: tl.constexpr,
+    BLOCK_T: tl.constexpr,
     BLOCK_C: tl.constexpr,
     SNAPSHOTS: tl.constexpr,
 ):
@@ -63,22 +69,31 @@ def _conv_decode_kernel(
     state_base = pool_ptr + slot * stride_pool
     x_base = x_ptr + seq.to(tl.int64) * stride_xb
     length = tl.load(start_ptr + seq + 1) - tl.load(start_ptr + seq)
-    for t in range(rows):
-        acc = tl.zeros((BLOCK_C,), tl.float32)
+    # [BLOCK_T, BLOCK_C] tiles of rows: `_tap` broadcasts a column of row indices
+    # against the row of channels.
+    cols = c[None, :]
+    for first in range(0, rows, BLOCK_T):
+        t = first + tl.arange(0, BLOCK_T)[:, None]
+        ok = c_ok[None, :] & (t < rows)
+        acc = tl.zeros((BLOCK_T, BLOCK_C), tl.float32)
         for j in tl.static_range(KERNEL):
-            w = tl.load(w_ptr + c * KERNEL + j, mask=c_ok, other=0.0).to(tl.float32)
-            tap = _tap(x_base, stride_xt, state_base, t + j, c, c_ok, fresh, HISTORY)
-            acc += w * tap
+            w = tl.load(w_ptr + cols * KERNEL + j, mask=ok, other=0.0).to(tl.float32)
+            acc += w * _tap(
+                x_base, stride_xt, state_base, t + j, cols, ok, fresh, HISTORY
+            )
         y = acc / (1.0 + tl.exp(-acc))  # SiLU
-        at = (seq.to(tl.int64) * rows + t) * channels + c
-        tl.store(y_ptr + at, y.to(y_ptr.dtype.element_ty), mask=c_ok)
+        at = (seq.to(tl.int64) * rows + t) * channels + cols
+        tl.store(y_ptr + at, y.to(y_ptr.dtype.element_ty), mask=ok)
         if SNAPSHOTS:
             snap = snap_ptr + slot * stride_snap_slot + t * stride_snap_row
             for i in tl.static_range(HISTORY):
                 tap = _tap(
-                    x_base, stride_xt, state_base, t + 1 + i, c, c_ok, fresh, HISTORY
+                    x_base, stride_xt, state_base, t + 1 + i, cols, ok, fresh, HISTORY
                 )
-                tl.store(snap + c * HISTORY + i, tap, mask=c_ok)
+                tl.store(snap + cols * HISTORY + i, tap, mask=ok)
+    # The tiles and the lines below spread channels over threads differently: every
+    # thread's reads of the old history end before any thread overwrites it.
+    tl.debug_barrier()
     # The history after the last real row: stream inputs length .. length + K - 2.
     # Entry i reads input length + i > i, which no earlier store has replaced.
     for i in tl.static_range(HISTORY):
@@ -86,7 +101,11 @@ def _conv_decode_kernel(
         tl.store(state_base + c * HISTORY + i, tap, mask=c_ok)
 
 
-def kda_conv_decode_in_pool(
+# Rows a program convolves at once: a prompt's rows in tiles, a decode row alone.
+MAX_BLOCK_ROWS = 32
+
+
+def kda_conv_in_pool(
     x: torch.Tensor,
     weight: torch.Tensor,
     pool: torch.Tensor,
@@ -116,7 +135,8 @@ def kda_conv_decode_in_pool(
     y = torch.empty(batch, rows, channels, dtype=x.dtype, device=x.device)
     snap = pool if snapshots is None else snapshots
     block_c = min(256, triton.next_power_of_2(channels))
-    _conv_decode_kernel[(batch, triton.cdiv(channels, block_c))](
+    block_t = min(MAX_BLOCK_ROWS, triton.next_power_of_2(rows))
+    _conv_kernel[(batch, triton.cdiv(channels, block_c))](
         x,
         weight,
         y,
@@ -133,6 +153,7 @@ def kda_conv_decode_in_pool(
         snap.stride(0),
         snap.stride(1) if snapshots is not None else 0,
         KERNEL=kernel,
+        BLOCK_T=block_t,
         BLOCK_C=block_c,
         SNAPSHOTS=snapshots is not None,
     )
