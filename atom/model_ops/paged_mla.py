@@ -64,19 +64,14 @@ def expanded_attention(
     scale: float,
     visible: torch.Tensor,
 ) -> torch.Tensor:
-    """Attention over re-expanded keys and values: [B, Q, h, d_v] in the queries'
-    dtype. A half-precision model keeps half-precision operands, so the expansion
-    and the attention run on tensor cores (SDPA's softmax accumulates in fp32): cast
-    to fp32 they took about 5 % of a bf16 prefill's kernel time on an H100
-    (docs/performance.md)."""
+    """Attention over re-expanded keys and values: [B, Q, h, d_v] fp32."""
     heads, d_nope = q_nope.shape[2], q_nope.shape[3]
     rank = kv_b_weight.shape[-1]
-    dtype = q_nope.dtype
-    c_kv, k_pe = keys[..., :rank].to(dtype), keys[..., rank:].to(dtype)
-    kv = (c_kv @ kv_b_weight.to(dtype).t()).unflatten(-1, (heads, -1))
+    c_kv, k_pe = keys[..., :rank], keys[..., rank:]
+    kv = (c_kv.float() @ kv_b_weight.float().t()).unflatten(-1, (heads, -1))
     k_nope, v = kv.split([d_nope, v_dim], dim=-1)
-    k = torch.cat([k_nope, k_pe.unsqueeze(2).expand(-1, -1, heads, -1)], -1)
-    q = torch.cat([q_nope, q_pe.to(dtype)], dim=-1)
+    k = torch.cat([k_nope, k_pe.float().unsqueeze(2).expand(-1, -1, heads, -1)], -1)
+    q = torch.cat([q_nope, q_pe], dim=-1).float()
     o = F.scaled_dot_product_attention(
         q.transpose(1, 2),
         k.transpose(1, 2),
