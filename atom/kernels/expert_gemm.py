@@ -16,8 +16,8 @@ scales. On sm89+ NVIDIA GPUs the dot reads the e4m3 operands as they are; elsewh
 value exactly, and multiplies those. The scales apply once, after the K loop.
 
 `GemmTiles` is a launch's tile shape and pipelining. `default_tiles` chooses it
-from the rows per expert, the operand type and the device's shared memory; `benchmarks/tune_expert_gemm.py`
-times other choices at a model's shapes on a GPU.
+from the rows per expert, the operand type and the device's shared memory;
+`benchmarks/tune_expert_gemm.py` times other choices at a model's shapes on a GPU.
 """
 
 from __future__ import annotations

@@ -204,8 +204,7 @@ class TritonKDABackend:
     sequence's states are read from and written to its slots inside the kernels,
     verify snapshots too. The short conv of every step runs in `kda_conv.py`.
     The recurrence of a prefill runs `prefill_backend` (fla's chunked kernels when
-    importable), but for
-    small prefills: there the two decode kernels, looping over the rows, cost one
+    importable), but for small prefills: there the two decode kernels, looping over the rows, cost one
     launch each per layer where fla's chunked KDA costs over ten, each with its
     Python-side dispatch, and the GPU's time is the smaller share of either.
     Padded rows (g = 0, beta = 0) leave a state as it was, so the decode kernels

@@ -11,6 +11,17 @@ from atom.model_ops.grouped_experts import align_to_experts
 from tests.kernels.devices import DEVICES, half_dtype
 
 
+def grouped_reference(x, weight, token_of, ends):
+    """The grouped product in fp32: each expert's sorted rows times its weight."""
+    expected = torch.empty(token_of.numel(), weight.shape[1])
+    start = 0
+    for expert, end in enumerate(ends.tolist()):
+        rows = x[token_of[start:end]].float()
+        expected[start:end] = F.linear(rows, weight[expert].float())
+        start = end
+    return expected
+
+
 def tile_choices():
     from atom.kernels.expert_gemm import GemmTiles
 
@@ -41,11 +52,7 @@ def test_every_tile_choice_gives_the_grouped_product(device, tokens, choice):
     token_of, _, ends = align_to_experts(ids, experts)
     x = torch.randn(tokens, k, generator=gen)
     weight = torch.randn(experts, n, k, generator=gen) / k**0.5
-    expected = torch.empty(token_of.numel(), n)
-    start = 0
-    for expert, end in enumerate(ends.tolist()):
-        expected[start:end] = F.linear(x[token_of[start:end]], weight[expert])
-        start = end
+    expected = grouped_reference(x, weight, token_of, ends)
     out = expert_gemm(
         x.to(device),
         weight.to(device),
@@ -60,8 +67,9 @@ def test_every_tile_choice_gives_the_grouped_product(device, tokens, choice):
 @pytest.mark.parametrize("device", DEVICES)
 def test_prefill_sized_groups_take_the_prefill_tiles_and_give_the_product(device):
     """A prompt's worth of rows per expert in half precision: the default tiles are
-    the tall prefill ones wherever their shared memory fits, and they give the grouped product (groups
-    shorter and longer than one 128-row tile, widths off the tile sizes)."""
+    the tall prefill ones wherever their shared memory fits, and they give the
+    grouped product (groups shorter and longer than one 128-row tile, widths off the
+    tile sizes)."""
     if not triton_available(device):
         pytest.skip("triton cannot run here")
     dtype = half_dtype(device)
@@ -89,12 +97,7 @@ def test_prefill_sized_groups_take_the_prefill_tiles_and_give_the_product(device
     token_of, _, ends = align_to_experts(ids, experts)
     x = torch.randn(tokens, k, generator=gen).to(dtype)
     weight = (torch.randn(experts, n, k, generator=gen) / k**0.5).to(dtype)
-    expected = torch.empty(token_of.numel(), n)
-    start = 0
-    for expert, end in enumerate(ends.tolist()):
-        rows = x[token_of[start:end]].float()
-        expected[start:end] = F.linear(rows, weight[expert].float())
-        start = end
+    expected = grouped_reference(x, weight, token_of, ends)
     out = expert_gemm(
         x.to(device),
         weight.to(device),
