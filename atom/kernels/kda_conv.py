@@ -15,6 +15,8 @@ of the old one is done.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -77,10 +79,17 @@ def _conv_kernel(
         ok = c_ok[None, :] & (t < rows)
         acc = tl.zeros((BLOCK_T, BLOCK_C), tl.float32)
         for j in tl.static_range(KERNEL):
-            w = tl.load(w_ptr + cols * KERNEL + j, mask=ok, other=0.0).to(tl.float32)
-            acc += w * _tap(
-                x_base, stride_xt, state_base, t + j, cols, ok, fresh, HISTORY
-            )
+            # One row of channels, broadcast over the tile's rows.
+            w = tl.load(w_ptr + c * KERNEL + j, mask=c_ok, other=0.0).to(tl.float32)
+            if first < HISTORY:  # the tile reads the slot's history too
+                tap = _tap(
+                    x_base, stride_xt, state_base, t + j, cols, ok, fresh, HISTORY
+                )
+            else:  # every tap is one of this step's rows: one load, no select
+                tap = tl.load(
+                    x_base + (t + j - HISTORY) * stride_xt + cols, mask=ok, other=0.0
+                ).to(tl.float32)
+            acc += w[None, :] * tap
         y = acc / (1.0 + tl.exp(-acc))  # SiLU
         at = (seq.to(tl.int64) * rows + t) * channels + cols
         tl.store(y_ptr + at, y.to(y_ptr.dtype.element_ty), mask=ok)
@@ -101,8 +110,27 @@ def _conv_kernel(
         tl.store(state_base + c * HISTORY + i, tap, mask=c_ok)
 
 
+@dataclass(frozen=True)
+class ConvTiles:
+    """A program's BLOCK_ROWS x BLOCK_CHANNELS tile and Triton's num_warps."""
+
+    block_rows: int
+    block_channels: int
+    num_warps: int = 4
+
+
 # Rows a program convolves at once: a prompt's rows in tiles, a decode row alone.
 MAX_BLOCK_ROWS = 32
+MAX_BLOCK_CHANNELS = 256
+
+
+def default_conv_tiles(rows: int, channels: int) -> ConvTiles:
+    """The tiles `kda_conv_in_pool` takes unless told (`benchmarks/tune_kda_conv.py`
+    times the others)."""
+    return ConvTiles(
+        min(MAX_BLOCK_ROWS, triton.next_power_of_2(rows)),
+        min(MAX_BLOCK_CHANNELS, triton.next_power_of_2(channels)),
+    )
 
 
 def kda_conv_in_pool(
@@ -113,13 +141,14 @@ def kda_conv_in_pool(
     context_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     snapshots: torch.Tensor | None = None,
+    tiles: ConvTiles | None = None,
 ) -> torch.Tensor:
     """SiLU(causal depthwise conv) of x [B, T, C] (padded rows after each sequence's
     query_start_loc length) as [B, T, C] in x.dtype, continuing each sequence's
     history pool[slots] ([S, C, K-1], zeros where `context_lens` [B] is 0);
     pool[slots] then holds the last K-1 inputs of each sequence, and
     snapshots[slots, t] ([S, R, C, K-1]) the history after row t when given.
-    weight [C, K]."""
+    weight [C, K]; `tiles` defaults to `default_conv_tiles`."""
     batch, rows, channels = x.shape
     kernel = weight.shape[-1]
     if tuple(pool.shape[1:]) != (channels, kernel - 1) or not pool.is_contiguous():
@@ -134,9 +163,8 @@ def kda_conv_in_pool(
     weight = weight.reshape(channels, kernel).contiguous()
     y = torch.empty(batch, rows, channels, dtype=x.dtype, device=x.device)
     snap = pool if snapshots is None else snapshots
-    block_c = min(256, triton.next_power_of_2(channels))
-    block_t = min(MAX_BLOCK_ROWS, triton.next_power_of_2(rows))
-    _conv_kernel[(batch, triton.cdiv(channels, block_c))](
+    tiles = tiles or default_conv_tiles(rows, channels)
+    _conv_kernel[(batch, triton.cdiv(channels, tiles.block_channels))](
         x,
         weight,
         y,
@@ -153,8 +181,9 @@ def kda_conv_in_pool(
         snap.stride(0),
         snap.stride(1) if snapshots is not None else 0,
         KERNEL=kernel,
-        BLOCK_T=block_t,
-        BLOCK_C=block_c,
+        BLOCK_T=tiles.block_rows,
+        BLOCK_C=tiles.block_channels,
         SNAPSHOTS=snapshots is not None,
+        num_warps=tiles.num_warps,
     )
     return y

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from atom.kernels import triton_available
+from atom.kernels.kda_conv import ConvTiles, kda_conv_in_pool
 from atom.model_engine.batch import SeqWork
 from atom.model_engine.model_inputs import prepare_inputs
 from atom.model_ops.kda import l2_normalize
@@ -91,14 +92,19 @@ def conv_step(device, lengths):
 @pytest.mark.kernels
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
-    "lengths,verify",
+    "lengths,verify,tiles",
     [
-        ([1, 1, 1], False),  # decode
-        ([4, 2, 3], True),  # verify
-        ([70, 2, 33], False),  # prefill: several tiles of rows, uneven prompts
+        ([1, 1, 1], False, None),  # decode
+        ([4, 2, 3], True, None),  # verify
+        ([70, 2, 33], False, None),  # prefill: several tiles of rows, uneven prompts
+        # Tiles shorter than the history: the first two each read part of it.
+        ([9, 2, 5], False, ConvTiles(2, 8, 2)),
+        ([3, 2, 1], True, ConvTiles(2, 16, 2)),
     ],
 )
-def test_conv_kernel_updates_the_pool_as_the_torch_conv_does(device, lengths, verify):
+def test_conv_kernel_updates_the_pool_as_the_torch_conv_does(
+    device, lengths, verify, tiles
+):
     if not triton_available(device):
         pytest.skip("triton cannot run here")
     channels, width, num_slots = 24, 4, 6
@@ -119,10 +125,22 @@ def test_conv_kernel_updates_the_pool_as_the_torch_conv_does(device, lengths, ve
     context_lens = torch.tensor([4, 0, 9], dtype=torch.int32, device=device)
     pools = [pool.clone(), pool.clone()]
     snaps = [snapshots.clone(), snapshots.clone()] if verify else [None, None]
-    triton = select_kda_backend(device, "triton")
-    y = triton.conv(
-        mixed, weight, StateSlots(pools[0], slots, context_lens, snaps[0]), metadata
-    )
+    if tiles is None:  # as the backend runs it
+        triton = select_kda_backend(device, "triton")
+        y = triton.conv(
+            mixed, weight, StateSlots(pools[0], slots, context_lens, snaps[0]), metadata
+        )
+    else:
+        y = kda_conv_in_pool(
+            mixed,
+            weight,
+            pools[0],
+            slots,
+            context_lens,
+            metadata.query_start_loc,
+            snaps[0],
+            tiles,
+        )
     y_ref = torch_conv(
         mixed, weight, StateSlots(pools[1], slots, context_lens, snaps[1]), metadata
     )
