@@ -36,7 +36,6 @@ from atom.model_engine.model_inputs import (
     view_step,
 )
 from atom.model_engine.pending_tokens import InputFiller
-from atom.model_ops.host_copy import copy_into
 from atom.models.utils import IntermediateTensors
 from atom.utils.forward_context import ForwardContext, set_forward_context
 from atom.utils.graph_capture import capture_graph
@@ -204,8 +203,8 @@ class DecodeGraphs:
             raise RuntimeError(
                 f"batch layout {layout} differs from the captured {capture.layout}"
             )
-        # Staged in pinned memory, so the copy does not hold the host.
-        copy_into(capture.packed, packed)
+        # Pinned, so the copy does not hold the host (model_inputs.to_device).
+        capture.packed.copy_(packed.pin_memory(), non_blocking=True)
         if fill is not None:
             fill(capture.input_ids)
         num_rows = len(works) * query_len

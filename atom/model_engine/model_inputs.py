@@ -15,7 +15,6 @@ import numpy as np
 import torch
 
 from atom.model_engine.batch import SeqWork
-from atom.model_ops.host_copy import copy_to_device
 from atom.utils.forward_context import AttentionMetadata
 
 
@@ -217,4 +216,14 @@ def prepare_inputs(
     """(input_ids [N], positions [N], metadata) with sequences as consecutive rows,
     on `device` after one host-to-device copy."""
     packed, layout = build_step(works, block_size, table_width, padding)
-    return view_step(copy_to_device(packed, device), layout)
+    return view_step(to_device(packed, device), layout)
+
+
+def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """`host` on `device`; a GPU copy goes from pinned memory without blocking,
+    so the host goes on to the step's sampling fields while it runs (a pageable
+    copy holds the host until it is done). The caching host allocator keeps the
+    pinned block until the copy has run."""
+    if torch.device(device).type == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
