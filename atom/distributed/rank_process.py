@@ -2,9 +2,11 @@
 
 Rank processes (the engine's and `run_ranks`') block on their task queue or in a
 collective, so nothing in their own work notices a parent that was SIGKILLed (the
-OOM killer's way). They would live on, reparented, holding memory and ports. A rank
-therefore asks the kernel for SIGKILL when its parent goes (Linux `prctl`) and also
-runs a watchdog thread that notices a changed parent pid (any POSIX system).
+OOM killer's way). They would live on, reparented, holding memory and ports. An
+engine rank therefore asks the kernel for SIGKILL when its parent goes (Linux
+`prctl`) and also runs a watchdog thread that notices a changed parent pid (any
+POSIX system). A `run_ranks` rank is forked by a fork server, not by its caller, so
+it watches a pipe of which only the caller holds the write end (`die_with_caller`).
 
 All ranks of a world run on this machine, so their rendezvous store and gloo / NCCL
 sockets listen on the loopback interface instead of every interface.
@@ -21,6 +23,8 @@ import socket
 import sys
 import threading
 import time
+from multiprocessing import connection
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 import torch.distributed as dist
@@ -73,6 +77,23 @@ def die_with_parent(parent_pid: int) -> None:
 def _exit_when_orphaned(parent_pid: int) -> None:
     while os.getppid() == parent_pid:
         time.sleep(PARENT_POLL_S)
+    os._exit(1)  # the main thread may be stuck in a collective: no clean unwind
+
+
+def die_with_caller(lifeline: Connection) -> None:
+    """End this process as soon as the process that holds the write end of
+    `lifeline` (a one-way pipe) is gone, whichever process forked this one.
+
+    Only the caller holds that end, so the read end reaches EOF exactly when the
+    caller closes it, exits or dies: the kernel closes it even after SIGKILL.
+    """
+    threading.Thread(
+        target=_exit_at_eof, args=(lifeline,), name="atom-caller-watch", daemon=True
+    ).start()
+
+
+def _exit_at_eof(lifeline: Connection) -> None:
+    connection.wait([lifeline])  # nothing is ever sent: readable means EOF
     os._exit(1)  # the main thread may be stuck in a collective: no clean unwind
 
 

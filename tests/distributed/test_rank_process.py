@@ -1,9 +1,14 @@
-"""Rank processes: loopback-only sockets, and results that reach the caller intact."""
+"""Rank processes: loopback-only sockets, results that reach the caller intact, and
+no rank left once its caller is gone."""
+
+import multiprocessing as mp
+import time
 
 import torch
 
 from atom.distributed.launch import run_ranks
 from atom.distributed.parallel_state import get_tp_group
+from atom.distributed.rank_process import die_with_caller
 from tests.process_helpers import is_loopback, listening_addresses
 
 
@@ -33,3 +38,29 @@ def test_results_come_back_as_cpu_copies():
         assert torch.equal(result["view"], torch.full((143,), 3.0))
         assert not result["summed"].is_shared()
     assert second["tags"] == ["a", 1]
+
+
+def watch_caller_then_wait(lifeline, watching) -> None:
+    die_with_caller(lifeline)
+    watching.set()
+    time.sleep(600)
+
+
+def test_a_forked_rank_ends_when_its_caller_lets_go_of_the_lifeline():
+    """As `run_ranks` starts them: forked by the fork server, so not the caller's
+    child. Closing the write end is what the kernel does for a caller that dies."""
+    ctx = mp.get_context("forkserver")
+    lifeline, held = ctx.Pipe(duplex=False)
+    watching = ctx.Event()
+    proc = ctx.Process(target=watch_caller_then_wait, args=(lifeline, watching))
+    proc.start()
+    try:
+        assert watching.wait(timeout=120)
+        proc.join(timeout=1)
+        assert proc.is_alive(), "the rank ended while its caller held on"
+        held.close()
+        proc.join(timeout=60)
+        assert proc.exitcode == 1
+    finally:
+        if proc.is_alive():
+            proc.kill()
