@@ -92,14 +92,22 @@ def rank_chi_square(
     """(statistic, expected counts, observed counts) of one position's rank bins."""
     expected = torch.zeros(num_bins, dtype=torch.float64)
     observed = torch.zeros(num_bins, dtype=torch.float64)
+    # (bin probabilities, rank of each token) per distinct prefix: its samples share
+    # one sort of the vocabulary (every sample shares the empty one).
+    by_prefix: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
     for tokens in samples:
-        p = exact[tuple(tokens[:position])].double()
-        order = p.argsort(descending=True, stable=True)
-        ranked = p[order]
-        expected[: num_bins - 1] += ranked[: num_bins - 1]
-        expected[num_bins - 1] += ranked[num_bins - 1 :].sum()
-        rank = int((order == tokens[position]).nonzero())
-        observed[min(rank, num_bins - 1)] += 1
+        prefix = tuple(tokens[:position])
+        if prefix not in by_prefix:
+            p = exact[prefix].double()
+            order = p.argsort(descending=True, stable=True)
+            ranked = p[order]
+            tail = ranked[num_bins - 1 :].sum().reshape(1)
+            rank_of = torch.empty_like(order)
+            rank_of[order] = torch.arange(len(order))
+            by_prefix[prefix] = (torch.cat([ranked[: num_bins - 1], tail]), rank_of)
+        bin_probs, rank_of = by_prefix[prefix]
+        expected += bin_probs
+        observed[min(int(rank_of[tokens[position]]), num_bins - 1)] += 1
     stat = float(((observed - expected) ** 2 / expected).sum())
     return stat, expected.tolist(), observed.int().tolist()
 
