@@ -1,4 +1,5 @@
-"""What tests ask of processes through /proc: children, liveness, listening sockets."""
+"""What tests ask of processes through /proc: descendants, ranks, liveness, listening
+sockets."""
 
 from __future__ import annotations
 
@@ -8,14 +9,36 @@ import time
 from pathlib import Path
 
 LISTEN = "0A"  # the TCP state column of /proc/net/tcp*
+# In the command line of multiprocessing's fork server, and so of the rank processes
+# it forks (atom/distributed/rank_process.py).
+FORK_SERVER = "multiprocessing.forkserver"
 
 
 def child_pids(pid: int) -> list[int]:
-    """Direct children of `pid` (rank processes, the resource tracker)."""
+    """Direct children of `pid` (the fork server, the resource tracker)."""
     children = []
     for task in Path(f"/proc/{pid}/task").iterdir():
         children += [int(c) for c in (task / "children").read_text().split()]
     return children
+
+
+def descendant_pids(pid: int) -> list[int]:
+    """Every process below `pid`: with its children, the ranks its fork server
+    forked."""
+    found = []
+    for child in child_pids(pid):
+        found += [child, *descendant_pids(child)]
+    return found
+
+
+def rank_pids(pid: int) -> list[int]:
+    """The rank processes of engine process `pid`: its fork server's children."""
+    return [
+        rank
+        for child in child_pids(pid)
+        if FORK_SERVER in command_line(child)
+        for rank in child_pids(child)
+    ]
 
 
 def command_line(pid: int) -> str:

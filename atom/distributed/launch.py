@@ -8,19 +8,13 @@ would travel as a shared-memory handle that dies with its rank, and a rank that
 exits before the caller reads it would lose the result. For the same reason each
 rank stays until the caller has read every result.
 
-Ranks are forked by multiprocessing's fork server, which imports torch and this
-module once, at the first call, and serves every later call of this process: a
-spawned rank spent seconds of CPU importing torch again, and on a two-core CI
-machine most of a small world's time. A forked rank is not its caller's child and
-has the environment of the server's start, so it gets both facts from the call
-itself: the caller's environment, and a pipe that tells it the caller is gone.
+Ranks start as the engine's do (rank_process.py): forked by the fork server, with
+the caller's environment, ending when the caller is gone.
 """
 
 from __future__ import annotations
 
 import io
-import multiprocessing as mp
-import os
 import queue
 import traceback
 from collections.abc import Callable
@@ -29,12 +23,12 @@ from typing import Any
 import torch
 
 from atom.distributed.parallel_state import destroy_distributed, init_distributed
-from atom.distributed.rank_process import die_with_caller, free_port
-
-# Not "__main__", multiprocessing's default: the server would run the caller's main
-# script (pytest's, a benchmark's) once more. Importing torch initialises no device,
-# so a rank may still take a GPU of its own.
-FORK_SERVER_PRELOAD = [__name__]
+from atom.distributed.rank_process import (
+    CallerLink,
+    free_port,
+    link_to_caller,
+    rank_context,
+)
 
 
 def _to_bytes(value: Any) -> bytes:
@@ -49,11 +43,9 @@ def _from_bytes(data: bytes) -> Any:
 
 
 def _rank_main(
-    fn, rank, tp, pp, backend, master_port, environ, lifeline, args, results, all_read
+    fn, rank, tp, pp, backend, master_port, link: CallerLink, args, results, all_read
 ) -> None:
-    die_with_caller(lifeline)
-    os.environ.clear()
-    os.environ.update(environ)
+    link.adopt()
     torch.set_num_threads(1)
     try:
         init_distributed(tp, pp, rank, backend, master_port)
@@ -78,20 +70,17 @@ def run_ranks(
 
     `fn` must be picklable (module level); tensors in its result come back on the CPU.
     """
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(FORK_SERVER_PRELOAD)  # read when the server starts
+    ctx = rank_context()
     world = tp_size * pp_size
     results = ctx.Queue()
     all_read = ctx.Event()
-    # The ranks get the read end; the write end stays here until they are gone.
-    lifeline, lifeline_held = ctx.Pipe(duplex=False)
+    link, lifeline = link_to_caller(ctx)
     master_port = free_port()
-    environ = dict(os.environ)
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(fn, rank, tp_size, pp_size, backend, master_port, environ)
-            + (lifeline, args, results, all_read),
+            args=(fn, rank, tp_size, pp_size, backend, master_port, link)
+            + (args, results, all_read),
             daemon=True,
         )
         for rank in range(world)
@@ -118,5 +107,4 @@ def run_ranks(
             if proc.is_alive():
                 proc.terminate()
         lifeline.close()
-        lifeline_held.close()
     return [collected[rank] for rank in range(world)]

@@ -1,12 +1,22 @@
-"""What every rank process does to live no longer than its parent, on loopback only.
+"""How rank processes start, live no longer than their caller, and stay on loopback.
 
-Rank processes (the engine's and `run_ranks`') block on their task queue or in a
-collective, so nothing in their own work notices a parent that was SIGKILLed (the
-OOM killer's way). They would live on, reparented, holding memory and ports. An
-engine rank therefore asks the kernel for SIGKILL when its parent goes (Linux
-`prctl`) and also runs a watchdog thread that notices a changed parent pid (any
-POSIX system). A `run_ranks` rank is forked by a fork server, not by its caller, so
-it watches a pipe of which only the caller holds the write end (`die_with_caller`).
+Rank processes (the engine's and `run_ranks`') fork from multiprocessing's fork
+server, which imports torch once, when the first ranks of a process start, and
+serves every later start: a spawned rank spent seconds of CPU importing torch again
+(most of a small world's start on a CI machine of two cores), and N ranks held N
+copies of its modules. The server's preload is torch alone, which initialises no
+device, so every rank still takes its own GPU; not `__main__` (multiprocessing's
+default), so the caller's main script is not run in the server. Each rank still
+imports that script again under its own name, as spawn did (the engine relies on it
+to name a script without the `__main__` guard).
+
+A forked rank is the server's child, and has the environment of the server's start.
+It therefore takes both facts from the caller (`CallerLink`): the caller's
+environment when it starts the rank, and the read end of a pipe whose write end
+only the caller holds. Ranks block on their task queue or in a collective, so
+nothing in their own work would notice a caller that was SIGKILLed (the OOM
+killer's way), and they would live on holding memory and ports; the kernel closes
+the caller's end when it dies, and the rank's watchdog thread exits at that EOF.
 
 All ranks of a world run on this machine, so their rendezvous store and gloo / NCCL
 sockets listen on the loopback interface instead of every interface.
@@ -14,33 +24,38 @@ sockets listen on the loopback interface instead of every interface.
 
 from __future__ import annotations
 
-import ctypes
 import datetime
-import logging
+import multiprocessing as mp
 import os
-import signal
 import socket
-import sys
 import threading
-import time
+from dataclasses import dataclass
 from multiprocessing import connection
 from multiprocessing.connection import Connection
+from multiprocessing.context import ForkServerContext
 from pathlib import Path
 
 import torch.distributed as dist
 
-logger = logging.getLogger(__name__)
-
 LOOPBACK_HOST = "127.0.0.1"
-# How often the watchdog looks for its parent; a rank outlives it by at most this.
-PARENT_POLL_S = 0.5
-# linux/prctl.h
-PR_SET_PDEATHSIG = 1
 # linux/if.h: the interface flag of a loopback device.
 IFF_LOOPBACK = 0x8
 # The socket-interface variables of gloo and NCCL.
 SOCKET_IFNAME_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 STORE_TIMEOUT = datetime.timedelta(minutes=30)
+# What the fork server imports before it forks any rank (module docstring).
+FORK_SERVER_PRELOAD = ["torch.distributed"]
+
+
+def rank_context() -> ForkServerContext:
+    """The multiprocessing context of rank processes.
+
+    The preload is the process's one fork server's (multiprocessing keeps one per
+    process); it counts when that server starts, with the first ranks.
+    """
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(FORK_SERVER_PRELOAD)
+    return ctx
 
 
 def free_port() -> int:
@@ -50,50 +65,37 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def die_with_parent(parent_pid: int) -> None:
-    """End this process as soon as `parent_pid` is no longer its parent.
+@dataclass
+class CallerLink:
+    """What a rank takes from the process that started it (module docstring)."""
 
-    The kernel signal follows the parent *thread* that started this process, which
-    is the engine's own thread or the caller of `run_ranks`; both outlive the ranks
-    they start. The watchdog covers systems without `prctl`.
-    """
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-            logger.warning(
-                "prctl(PR_SET_PDEATHSIG) failed: %s", os.strerror(ctypes.get_errno())
-            )
-    # The parent may have died before the request above took effect.
-    if os.getppid() != parent_pid:
-        os._exit(1)
-    threading.Thread(
-        target=_exit_when_orphaned,
-        args=(parent_pid,),
-        name="atom-parent-watch",
-        daemon=True,
-    ).start()
+    environ: dict[str, str]
+    # The read end; nothing is ever sent, so it becomes readable only at EOF.
+    lifeline: Connection
+
+    def adopt(self) -> None:
+        """The rank's first step: the caller's environment, and a watchdog that
+        ends this process as soon as the caller is gone."""
+        os.environ.clear()
+        os.environ.update(self.environ)
+        threading.Thread(
+            target=_exit_at_eof,
+            args=(self.lifeline,),
+            name="atom-caller-watch",
+            daemon=True,
+        ).start()
 
 
-def _exit_when_orphaned(parent_pid: int) -> None:
-    while os.getppid() == parent_pid:
-        time.sleep(PARENT_POLL_S)
-    os._exit(1)  # the main thread may be stuck in a collective: no clean unwind
-
-
-def die_with_caller(lifeline: Connection) -> None:
-    """End this process as soon as the process that holds the write end of
-    `lifeline` (a one-way pipe) is gone, whichever process forked this one.
-
-    Only the caller holds that end, so the read end reaches EOF exactly when the
-    caller closes it, exits or dies: the kernel closes it even after SIGKILL.
-    """
-    threading.Thread(
-        target=_exit_at_eof, args=(lifeline,), name="atom-caller-watch", daemon=True
-    ).start()
+def link_to_caller(ctx: ForkServerContext) -> tuple[CallerLink, Connection]:
+    """(what each rank gets, the pipe's write end). The caller holds the write end,
+    and gives it to no other process, for exactly as long as its ranks may live;
+    closing it ends them."""
+    lifeline, held = ctx.Pipe(duplex=False)
+    return CallerLink(dict(os.environ), lifeline), held
 
 
 def _exit_at_eof(lifeline: Connection) -> None:
-    connection.wait([lifeline])  # nothing is ever sent: readable means EOF
+    connection.wait([lifeline])
     os._exit(1)  # the main thread may be stuck in a collective: no clean unwind
 
 

@@ -92,7 +92,7 @@ def run_node(args: argparse.Namespace) -> int:
         config, nodes = join_as_member(args)
     except NodeLayoutError as error:
         raise SystemExit(f"atom serve --headless: {error}") from None
-    procs = start_ranks(config, None, None)
+    procs, lifeline = start_ranks(config, None, None)
     try:
         return supervise(config, nodes, procs)
     finally:
@@ -101,4 +101,5 @@ def run_node(args: argparse.Namespace) -> int:
                 proc.terminate()
         for proc in procs:
             proc.join(timeout=STOP_GRACE_S)
+        lifeline.close()
         nodes.close()

@@ -5,7 +5,7 @@ batch through that rank's queue; the last stage's TP rank 0 sends back the batch
 output message. A rank that fails reports its traceback (one that refuses its settings
 at start, only the reason, raised by the engine as ValueError); a rank that dies is
 noticed by liveness checks, so the engine raises instead of hanging. A rank never outlives the
-engine process (`die_with_parent`).
+process that started it (rank_process.py: how ranks start and end).
 
 Across nodes the engine process holds node 0's ranks only; rank 0 relays every task
 to the other nodes' ranks and their messages back (node_relay.py), and a lost node
@@ -21,6 +21,7 @@ import multiprocessing as mp
 import os
 import queue
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -45,7 +46,12 @@ from atom.distributed.parallel_state import (
     get_tp_group,
     init_distributed,
 )
-from atom.distributed.rank_process import die_with_parent, free_port
+from atom.distributed.rank_process import (
+    CallerLink,
+    free_port,
+    link_to_caller,
+    rank_context,
+)
 from atom.kv_transfer.rank_calls import attach_kv_connector
 from atom.model_engine.batch import BatchOutput, ScheduledBatch
 from atom.model_engine.model_runner import LaunchedStep, ModelRunner
@@ -139,14 +145,14 @@ def worker_main(
     rank: int,
     master_port: int,
     backend: str,
-    parent_pid: int,
+    link: CallerLink,
     tasks: mp.Queue | None,
     results: mp.Queue | None,
     lost: Connection | None = None,
 ) -> None:
     """One rank. On a node other than 0 `tasks` and `results` are None: the rank
     talks to node 0 through its channel (node_relay.py)."""
-    die_with_parent(parent_pid)
+    link.adopt()
     # Ctrl-C in a terminal reaches every process of its group; the engine process
     # ends its ranks itself (close()), so a rank must not stop mid-collective.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -205,15 +211,15 @@ def worker_main(
         destroy_distributed()
 
 
-# Rank processes are named RANK_PROCESS_PREFIX + rank. spawn re-imports the user's
-# main script in each of them under that name, so an engine started there comes from
-# a script without the `__main__` guard: such a rank exits with UNGUARDED_MAIN_EXIT
-# and no output, and the parent says why once.
+# Rank processes are named RANK_PROCESS_PREFIX + rank. multiprocessing re-imports the
+# user's main script in each of them under that name, so an engine started there
+# comes from a script without the `__main__` guard: such a rank exits with
+# UNGUARDED_MAIN_EXIT and no output, and the parent says why once.
 RANK_PROCESS_PREFIX = "atom-rank"
 UNGUARDED_MAIN_EXIT = 3
 UNGUARDED_MAIN = (
     "the script that starts this engine runs it at import, and atom starts each "
-    "rank process by importing that script again (multiprocessing's spawn): put the "
+    "rank process by importing that script again (multiprocessing): put the "
     'code that builds the engine under `if __name__ == "__main__":`'
 )
 
@@ -225,7 +231,11 @@ def refuse_engine_in_rank_process() -> None:
         name.startswith(RANK_PROCESS_PREFIX)
         and name[len(RANK_PROCESS_PREFIX) :].isdigit()
     ):
-        raise SystemExit(UNGUARDED_MAIN_EXIT)
+        # Not SystemExit: a child of the fork server that raises it while it starts
+        # exits with 1, and the parent could not tell why.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(UNGUARDED_MAIN_EXIT)
 
 
 def start_ranks(
@@ -233,9 +243,12 @@ def start_ranks(
     tasks: list[mp.Queue] | None,
     results: mp.Queue | None,
     lost: Connection | None = None,
-) -> list[mp.Process]:
-    """Start this node's rank processes (`tasks`: one queue each on node 0)."""
-    ctx = mp.get_context("spawn")
+) -> tuple[list[mp.Process], Connection]:
+    """Start this node's rank processes (`tasks`: one queue each on node 0). With
+    them comes the write end of their lifeline (`link_to_caller`): the caller keeps
+    it open while they may run, and closes it after they ended."""
+    ctx = rank_context()
+    link, lifeline = link_to_caller(ctx)
     backend = choose_backend(config)
     ranks = config.node_layout.my_ranks
     # The loopback store's port on one machine (across nodes, node 0's is used).
@@ -248,7 +261,7 @@ def start_ranks(
                 rank,
                 master_port,
                 backend,
-                os.getpid(),
+                link,
                 None if tasks is None else tasks[i],
                 results,
                 lost if rank == 0 else None,
@@ -260,7 +273,7 @@ def start_ranks(
     ]
     for proc in procs:
         proc.start()
-    return procs
+    return procs, lifeline
 
 
 class WorkerGroup:
@@ -268,7 +281,7 @@ class WorkerGroup:
     the rendezvous with the other nodes, and the watch on them)."""
 
     def __init__(self, config: Config) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = rank_context()
         self.layout = layout = config.node_layout
         self.nodes: NodeMembership | None = None
         self._lost_lock = threading.Lock()
@@ -289,7 +302,9 @@ class WorkerGroup:
             self._lost, self._lost_writer = ctx.Pipe(duplex=False)
         self.results: mp.Queue = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in layout.my_ranks]
-        self.procs = start_ranks(config, self.tasks, self.results, self._lost_writer)
+        self.procs, self._lifeline = start_ranks(
+            config, self.tasks, self.results, self._lost_writer
+        )
         kind, info = self._receive(STARTUP_TIMEOUT_S)
         if kind != "ready":
             raise RuntimeError(f"unexpected start-up message {kind!r}")
@@ -421,6 +436,7 @@ class WorkerGroup:
             if proc.is_alive():
                 proc.terminate()
                 proc.join(timeout=5)
+        self._lifeline.close()
         if self.nodes is not None:
             self.nodes.close()
 

@@ -1,14 +1,13 @@
 """Rank processes: loopback-only sockets, results that reach the caller intact, and
 no rank left once its caller is gone."""
 
-import multiprocessing as mp
 import time
 
 import torch
 
 from atom.distributed.launch import run_ranks
 from atom.distributed.parallel_state import get_tp_group
-from atom.distributed.rank_process import die_with_caller
+from atom.distributed.rank_process import CallerLink, link_to_caller, rank_context
 from tests.process_helpers import is_loopback, listening_addresses
 
 
@@ -40,25 +39,25 @@ def test_results_come_back_as_cpu_copies():
     assert second["tags"] == ["a", 1]
 
 
-def watch_caller_then_wait(lifeline, watching) -> None:
-    die_with_caller(lifeline)
+def adopt_then_wait(link: CallerLink, watching) -> None:
+    link.adopt()
     watching.set()
     time.sleep(600)
 
 
-def test_a_forked_rank_ends_when_its_caller_lets_go_of_the_lifeline():
-    """As `run_ranks` starts them: forked by the fork server, so not the caller's
-    child. Closing the write end is what the kernel does for a caller that dies."""
-    ctx = mp.get_context("forkserver")
-    lifeline, held = ctx.Pipe(duplex=False)
+def test_a_rank_ends_when_its_caller_lets_go_of_the_lifeline():
+    """Forked by the fork server, a rank is not its caller's child. Closing the
+    write end is what the kernel does for a caller that dies."""
+    ctx = rank_context()
+    link, lifeline = link_to_caller(ctx)
     watching = ctx.Event()
-    proc = ctx.Process(target=watch_caller_then_wait, args=(lifeline, watching))
+    proc = ctx.Process(target=adopt_then_wait, args=(link, watching))
     proc.start()
     try:
         assert watching.wait(timeout=120)
         proc.join(timeout=1)
         assert proc.is_alive(), "the rank ended while its caller held on"
-        held.close()
+        lifeline.close()
         proc.join(timeout=60)
         assert proc.exitcode == 1
     finally:

@@ -25,9 +25,10 @@ import pytest
 from atom.distributed.rank_process import free_port
 from tests.e2e.pp_probe import GREEDY, SETTINGS, T, corpus_prompts, make_engine
 from tests.process_helpers import (
-    child_pids,
+    descendant_pids,
     is_loopback,
     listening_addresses,
+    rank_pids,
     survivors,
 )
 
@@ -125,9 +126,10 @@ def wait_serving(nodes: list[Node]) -> None:
     raise AssertionError(f"node 0 not serving in {STARTUP_TIMEOUT_S} s")
 
 
-def ranks_of(node: Node) -> list[int]:
-    """The node's rank processes (and the resource tracker)."""
-    return child_pids(node.process.pid)
+def processes_of(node: Node) -> list[int]:
+    """The node's processes below it: its ranks, their fork server, the resource
+    tracker."""
+    return descendant_pids(node.process.pid)
 
 
 @pytest.fixture(scope="module")
@@ -145,10 +147,11 @@ def test_pp2_tp2_dspark_over_two_nodes_then_node_0_dies(offline_ids, tmp_path):
     )
     try:
         wait_serving(nodes)
-        node_ranks = [ranks_of(node) for node in nodes]
+        node_processes = [processes_of(node) for node in nodes]
+        ranks_per_node = [len(rank_pids(node.process.pid)) for node in nodes]
         listening = {
             pid: listening_addresses(pid)
-            for pid in [nodes[0].process.pid, *node_ranks[0], *node_ranks[1]]
+            for pid in [nodes[0].process.pid, *node_processes[0], *node_processes[1]]
         }
         served = []
         with httpx.Client(base_url=nodes[0].url, timeout=300) as client:
@@ -176,15 +179,15 @@ def test_pp2_tp2_dspark_over_two_nodes_then_node_0_dies(offline_ids, tmp_path):
     # The store, the HTTP server and gloo: loopback only, never every interface.
     assert listening[nodes[0].process.pid]
     assert all(is_loopback(a) for a in sum(listening.values(), [])), listening
-    assert all(len(ranks) >= 2 for ranks in node_ranks)
-    assert survivors(sum(node_ranks, []), ORPHAN_DEADLINE_S) == []
+    assert ranks_per_node == [2, 2]
+    assert survivors(sum(node_processes, []), ORPHAN_DEADLINE_S) == []
 
 
 def test_node_1_dies_and_node_0_reports_it(tmp_path):
     nodes = start_nodes(tmp_path, ["-pp", "2", "-tp", "1", *K3, *ENGINE_FLAGS])
     try:
         wait_serving(nodes)
-        node_ranks = ranks_of(nodes[0]) + ranks_of(nodes[1])
+        node_processes = processes_of(nodes[0]) + processes_of(nodes[1])
         nodes[1].process.send_signal(signal.SIGKILL)
         # /health is read while node 0 still answers; it may be gone already.
         reasons = []
@@ -204,7 +207,7 @@ def test_node_1_dies_and_node_0_reports_it(tmp_path):
     assert code != 0, log_0[-3000:]
     assert "the engine died (node 1 " in log_0, log_0[-3000:]
     assert all("node 1" in reason for reason in reasons), reasons
-    assert survivors(node_ranks, ORPHAN_DEADLINE_S) == []
+    assert survivors(node_processes, ORPHAN_DEADLINE_S) == []
 
 
 def test_the_offline_engine_is_node_0_and_a_clean_close_ends_node_1(

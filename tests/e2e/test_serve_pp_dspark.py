@@ -26,7 +26,7 @@ from atom.distributed.rank_process import free_port
 from atom.sampling_params import SamplingParams
 from scripts.ci.server_log import scan_log
 from tests.e2e.pp_probe import make_engine
-from tests.process_helpers import child_pids, survivors
+from tests.process_helpers import descendant_pids, survivors
 
 PROMPT = "List all prime numbers below 30."
 MESSAGES = [{"role": "user", "content": "1+2+3=?"}]
@@ -90,7 +90,7 @@ def test_serve_pp2_tp4_dspark_answers_like_offline_pp1(offline, tmp_path):
         )
     try:
         wait_healthy(proc, url, log)
-        ranks = child_pids(proc.pid)
+        ranks = descendant_pids(proc.pid)
         with httpx.Client(base_url=url, timeout=120) as client:
             completion = client.post(
                 "/v1/completions",

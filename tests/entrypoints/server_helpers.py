@@ -1,4 +1,5 @@
-"""The real server as a subprocess, and what tests ask of it and of its children."""
+"""The real server as a subprocess, and what tests ask of it and of the processes
+below it."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from atom.distributed.rank_process import free_port
-from tests.process_helpers import child_pids, survivors
+from tests.process_helpers import descendant_pids, survivors
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT_S = 300
@@ -35,7 +36,7 @@ class Server:
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.children: list[int] = []  # recorded once healthy
+        self.descendants: list[int] = []  # recorded once healthy
         command = [sys.executable, "-m", *entrypoint]
         command += ["--server-port", str(self.port), "--device", "cpu", *flags]
         with open(log_path, "w") as log:
@@ -59,7 +60,7 @@ class Server:
                 )
             try:
                 if self.get("/health").status_code == 200:
-                    self.children = child_pids(self.process.pid)
+                    self.descendants = descendant_pids(self.process.pid)
                     return self
             except httpx.TransportError:
                 pass
@@ -96,10 +97,10 @@ class Server:
         raise AssertionError(f"{name} {labels} missing from /metrics:\n{text}")
 
     def stop(self) -> None:
-        """Kill the server if it still runs, then any child it had once healthy
+        """Kill the server if it still runs, then any process below it once healthy
         that is still running (a test of orphans may have failed)."""
         if self.process.poll() is None:
             self.process.kill()
         self.process.wait()
-        for pid in survivors(self.children, deadline_s=0):
+        for pid in survivors(self.descendants, deadline_s=0):
             os.kill(pid, signal.SIGKILL)

@@ -20,10 +20,11 @@ import pytest
 from atom.kv_transfer.peer import HttpPeer, PeerError
 from tests.entrypoints.server_helpers import Server
 from tests.process_helpers import (
-    child_pids,
     command_line,
+    descendant_pids,
     is_loopback,
     listening_addresses,
+    rank_pids,
     survivors,
 )
 
@@ -255,14 +256,6 @@ def test_good_requests_complete_among_bad_ones(server):
     assert "Traceback" not in server.log()
 
 
-def rank_pids(server: Server) -> list[int]:
-    return [
-        pid
-        for pid in child_pids(server.process.pid)
-        if "spawn_main" in command_line(pid)
-    ]
-
-
 @pytest.fixture
 def two_rank_server(tmp_path):
     running = Server(["--model", MODEL, "-tp", "2"], tmp_path / "server.log")
@@ -273,9 +266,9 @@ def two_rank_server(tmp_path):
 @pytest.mark.slow
 def test_rank_killed_at_idle_fails_health_and_exits_non_zero(two_rank_server):
     server = two_rank_server
-    children = child_pids(server.process.pid)
-    ranks = rank_pids(server)
-    assert len(ranks) == 2, [command_line(pid) for pid in children]
+    below = descendant_pids(server.process.pid)
+    ranks = rank_pids(server.process.pid)
+    assert len(ranks) == 2, [command_line(pid) for pid in below]
     os.kill(ranks[-1], signal.SIGKILL)
     health = poll_health_until_bad(server)
     if isinstance(health, httpx.Response):
@@ -284,7 +277,7 @@ def test_rank_killed_at_idle_fails_health_and_exits_non_zero(two_rank_server):
     code = server.process.wait(timeout=EXIT_DEADLINE_S)
     assert code != 0, server.log()
     assert DEAD_RANK.search(server.log()), server.log()[-3000:]
-    assert survivors(children, REACTION_DEADLINE_S) == []
+    assert survivors(below, REACTION_DEADLINE_S) == []
 
 
 def poll_health_until_bad(server: Server) -> httpx.Response | str:
@@ -305,18 +298,18 @@ def poll_health_until_bad(server: Server) -> httpx.Response | str:
 @pytest.mark.slow
 def test_no_process_outlives_a_killed_server(two_rank_server):
     server = two_rank_server
-    children = child_pids(server.process.pid)
-    assert len(rank_pids(server)) == 2
+    below = descendant_pids(server.process.pid)
+    assert len(rank_pids(server.process.pid)) == 2
     listening = {
-        command_line(pid): listening_addresses(pid)
-        for pid in [server.process.pid, *children]
+        pid: (command_line(pid), listening_addresses(pid))
+        for pid in [server.process.pid, *below]
     }
     server.process.kill()  # SIGKILL, as the OOM killer does
     server.process.wait()
-    left = survivors(children, REACTION_DEADLINE_S)
+    left = survivors(below, REACTION_DEADLINE_S)
     assert left == [], [command_line(pid) for pid in left]
     # While it ran, the server and its ranks (store, gloo) listened on loopback only.
-    for command, addresses in listening.items():
+    for command, addresses in listening.values():
         assert all(is_loopback(a) for a in addresses), (command, addresses)
 
 
@@ -332,7 +325,7 @@ def test_rank_killed_mid_request_fails_it_with_503(two_rank_server):
                 if not line.startswith("data: "):
                     continue
                 if not frames:  # generating: now a rank dies under it
-                    os.kill(rank_pids(server)[0], signal.SIGKILL)
+                    os.kill(rank_pids(server.process.pid)[0], signal.SIGKILL)
                 frames.append(line[len("data: ") :])
     assert frames[-1] == "[DONE]"
     error = json.loads(frames[-2])["error"]

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.entrypoints.server_helpers import Server
-from tests.process_helpers import child_pids, survivors
+from tests.process_helpers import descendant_pids, survivors
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CLI = [sys.executable, "-m", "atom.entrypoints.cli"]
@@ -223,7 +223,7 @@ def test_ctrl_c_ends_generate_with_status_0_and_no_ranks(tmp_path):
     try:
         # Each rank logs its memory ledger once its model is loaded.
         wait_for_log(process, log_path, "[memory ledger", count=2)
-        ranks = child_pids(process.pid)
+        ranks = descendant_pids(process.pid)
         os.killpg(process.pid, signal.SIGINT)
         assert process.wait(timeout=EXIT_DEADLINE_S) == 0, log_path.read_text()
         assert "Traceback" not in log_path.read_text()
@@ -245,6 +245,6 @@ def test_ctrl_c_ends_serve_with_status_0_and_no_ranks(tmp_path):
         server.process.send_signal(signal.SIGINT)
         assert server.process.wait(timeout=EXIT_DEADLINE_S) == 0, server.log()
         assert "Traceback" not in server.log()
-        assert survivors(server.children, deadline_s=EXIT_DEADLINE_S) == []
+        assert survivors(server.descendants, deadline_s=EXIT_DEADLINE_S) == []
     finally:
         server.stop()
