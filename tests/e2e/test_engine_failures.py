@@ -147,8 +147,8 @@ print(llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2)))
 
 def test_a_script_without_the_main_guard_gets_one_clear_error(tmp_path):
     """Each rank imports the main script again (multiprocessing's fork server, as
-    spawn did); those ranks stop silently and
-    the engine says once what the script lacks, instead of one traceback per rank."""
+    spawn did); those ranks stop silently and the engine says once what the script
+    lacks, instead of one traceback per rank."""
     script = tmp_path / "unguarded.py"
     script.write_text(UNGUARDED_SCRIPT)
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
