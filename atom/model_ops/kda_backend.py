@@ -63,8 +63,8 @@ class KDABackend(Protocol):
 
     def runs_as_decode(self, batch: int, rows: int) -> bool:
         """Whether a step of `batch` sequences padded to `rows` rows (not a verify
-        step: that always is) runs through `decode`, row by row
-        in the state pools, rather than through `prefill`."""
+        step: that always is) runs through `decode`, row by row in the state pools,
+        rather than through `prefill`."""
         ...
 
     def prefill(
@@ -204,9 +204,10 @@ class TritonKDABackend:
     sequence's states are read from and written to its slots inside the kernels,
     verify snapshots too. The short conv of every step runs in `kda_conv.py`.
     The recurrence of a prefill runs `prefill_backend` (fla's chunked kernels when
-    importable), but for small prefills: there the two decode kernels, looping over the rows, cost one
-    launch each per layer where fla's chunked KDA costs over ten, each with its
-    Python-side dispatch, and the GPU's time is the smaller share of either.
+    importable), but for small prefills: there the two decode kernels, looping over
+    the rows, cost one launch each per layer where fla's chunked KDA costs over ten,
+    each with its Python-side dispatch, and the GPU's time is the smaller share of
+    either.
     Padded rows (g = 0, beta = 0) leave a state as it was, so the decode kernels
     take a padded prefill batch as it is. Their time grows with the rows (one
     after another) and, once the programs outnumber what the GPU runs at once, with
