@@ -4,8 +4,8 @@ The engine process schedules (it is the head of stage 0) and hands every rank ea
 batch through that rank's queue; the last stage's TP rank 0 sends back the batch's one
 output message. A rank that fails reports its traceback (one that refuses its settings
 at start, only the reason, raised by the engine as ValueError); a rank that dies is
-noticed by liveness checks, so the engine raises instead of hanging. A rank never outlives the
-process that started it (rank_process.py: how ranks start and end).
+noticed by liveness checks, so the engine raises instead of hanging. A rank never
+outlives the process that started it (rank_process.py: how ranks start and end).
 
 Across nodes the engine process holds node 0's ranks only; rank 0 relays every task
 to the other nodes' ranks and their messages back (node_relay.py), and a lost node

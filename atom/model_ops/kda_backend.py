@@ -135,7 +135,8 @@ def torch_conv(
 
 
 class TorchKDABackend:
-    """Plain PyTorch: padded rows (g = 0, beta = 0) are neutral, so no lengths needed."""
+    """Plain PyTorch: padded rows (g = 0, beta = 0) are neutral, so no lengths
+    needed."""
 
     name = "torch"
     conv = staticmethod(torch_conv)
