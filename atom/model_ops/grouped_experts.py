@@ -185,14 +185,17 @@ def routed_mlp(
     up: GroupedProduct,
     down: GroupedProduct,
     act: Callable[[torch.Tensor], torch.Tensor],
+    addend: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """sum_k routing_weights[:, k] * down(act(up(x))) for expert ids[:, k], as
-    [N, D] fp32: the sort by expert and the combine around two grouped products
-    (`up` reads x through the sorted rows' tokens), whatever form the weights take."""
+    """sum_k routing_weights[:, k] * down(act(up(x))) for expert ids[:, k] (+
+    addend), [N, D] in `out_dtype`: the sort by expert and the combine around two
+    grouped products (`up` reads x through the sorted rows' tokens), whatever form
+    the weights take."""
     token_of, position, group_ends = align_to_experts(expert_ids, num_experts)
     groups = ExpertGroups(group_ends)
     y = down(act(up(x, groups, token_of)), groups, None)
-    return combine_expert_rows(y, position, routing_weights)
+    return combine_expert_rows(y, position, routing_weights, addend, out_dtype)
 
 
 def grouped_expert_mlp(
@@ -204,20 +207,25 @@ def grouped_expert_mlp(
     act: Callable[[torch.Tensor], torch.Tensor],
     path: ExpertPath,
     row_transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    addend: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """sum_k routing_weights[:, k] * expert_{ids[:, k]}(x) as [N, D] fp32.
+    """sum_k routing_weights[:, k] * expert_{ids[:, k]}(x) (+ addend) as [N, D] in
+    `out_dtype`, summed in fp32.
 
     x [N, D]; routing_weights, expert_ids [N, k]; w13 [E, 2I, D] (gate rows first);
     w2 [E, D, I]; `act` maps [M, 2I] to [M, I]; `path` as `expert_path` chooses for
     these weights (or any path that runs on their device). `row_transform`, when
     given, maps the rows each projection reads (fp8 rounds them per token).
+    `addend` [N, D] (the shared experts' output) joins the sum before its rounding.
     """
     if path == "gemv":  # plain weights only: no row transform
         from atom.kernels.expert_gemv import expert_down_sum, expert_up
 
         ids = expert_ids.contiguous()
         h = act(expert_up(x.contiguous(), ids, w13))
-        return expert_down_sum(h, ids, routing_weights.contiguous(), w2)
+        out = expert_down_sum(h, ids, routing_weights.contiguous(), w2)
+        return (out if addend is None else out + addend.float()).to(out_dtype)
     transform = row_transform or (lambda rows: rows)
 
     def product(weight: torch.Tensor) -> GroupedProduct:
@@ -226,21 +234,39 @@ def grouped_expert_mlp(
         )
 
     return routed_mlp(
-        x, routing_weights, expert_ids, w13.shape[0], product(w13), product(w2), act
+        x,
+        routing_weights,
+        expert_ids,
+        w13.shape[0],
+        product(w13),
+        product(w2),
+        act,
+        addend,
+        out_dtype,
     )
 
 
 def combine_expert_rows(
-    y: torch.Tensor, position: torch.Tensor, routing_weights: torch.Tensor
+    y: torch.Tensor,
+    position: torch.Tensor,
+    routing_weights: torch.Tensor,
+    addend: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """[T, D] fp32: each token's k rows of the sorted expert output y [T*k, D], read
-    at `position` and summed with their routing weights [T, k]. A gather and a
+    """[T, D] in `out_dtype`: each token's k rows of the sorted expert output y
+    [T*k, D], read at `position` and summed in fp32 with their routing weights [T,
+    k], then `addend` [T, D] added before the one rounding. A gather and a
     reduction, where a scatter-add into the tokens would take atomics; on CUDA one
     Triton launch (`kernels/moe_combine.py`)."""
     if y.is_cuda and triton_available(y.device):
         from atom.kernels.moe_combine import combine_expert_rows_triton
 
-        return combine_expert_rows_triton(y, position, routing_weights)
+        return combine_expert_rows_triton(
+            y, position, routing_weights, addend, out_dtype
+        )
     num_tokens, top_k = routing_weights.shape
     per_choice = y.index_select(0, position).view(num_tokens, top_k, -1).float()
-    return (per_choice * routing_weights.float().unsqueeze(-1)).sum(dim=1)
+    out = (per_choice * routing_weights.float().unsqueeze(-1)).sum(dim=1)
+    if addend is not None:
+        out = out + addend.float()
+    return out.to(out_dtype)

@@ -181,14 +181,30 @@ class FusedExperts(nn.Module):
             raise ValueError(str(err)) from err
 
     def forward(
-        self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor
+        self,
+        x: torch.Tensor,
+        weights: torch.Tensor,
+        expert_ids: torch.Tensor,
+        addend: torch.Tensor | None = None,
+        out_dtype: torch.dtype = torch.float32,
     ) -> torch.Tensor:
-        """This rank's partial sum_k w_k * expert_k(x), [N, D] in fp32."""
+        """This rank's partial sum_k w_k * expert_k(x) (+ addend), [N, D] in
+        `out_dtype`, summed in fp32 (`grouped_expert_mlp`)."""
         if self.quant_method is not None:
-            return self.quant_method.apply(self, x, weights, expert_ids)
+            return self.quant_method.apply(
+                self, x, weights, expert_ids, addend, out_dtype
+            )
         path = step_path(self.path, expert_ids.numel(), x.device)
         return grouped_expert_mlp(
-            x, weights, expert_ids, self.w13, self.w2, self.act, path
+            x,
+            weights,
+            expert_ids,
+            self.w13,
+            self.w2,
+            self.act,
+            path,
+            addend=addend,
+            out_dtype=out_dtype,
         )
 
     @property
@@ -204,6 +220,27 @@ class FusedExperts(nn.Module):
         if self.quant_method is not None:
             return self.quant_method.graph_capturable
         return self.path in CAPTURABLE_PATHS
+
+
+def expert_block_output(
+    experts: FusedExperts,
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    expert_ids: torch.Tensor,
+    shared: nn.Module | None,
+) -> torch.Tensor:
+    """A MoE block's output in x's dtype: the routed experts' weighted sum plus the
+    shared experts' output, reduced over the TP ranks once.
+
+    `shared` must leave its product unreduced (`GatedMLP(reduce_results=False)`):
+    its partial output joins the routed partial sum in fp32 inside the combine, so
+    one all-reduce serves both. At one rank the combine writes the block's output
+    itself, with no add or cast after it."""
+    addend = shared(x) if shared is not None else None
+    tp = get_tp_group()
+    if tp.world_size == 1:
+        return experts(x, weights, expert_ids, addend, x.dtype)
+    return tp.all_reduce(experts(x, weights, expert_ids, addend)).to(x.dtype)
 
 
 class RouterGate(nn.Module):

@@ -40,6 +40,8 @@ class ExpertsMethod(Protocol):
         x: torch.Tensor,
         weights: torch.Tensor,
         expert_ids: torch.Tensor,
+        addend: torch.Tensor | None,
+        out_dtype: torch.dtype,
     ) -> torch.Tensor: ...
 
 

@@ -158,11 +158,14 @@ def fp8_expert_mlp(
     expert_ids: torch.Tensor,
     module: nn.Module,
     decode: bool | None = None,
+    addend: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """The routed experts of `module` (e4m3 w13, w2 and their scales) as fp8
-    grouped GEMMs in Triton, [N, D] fp32 like `grouped_expert_mlp`: each projection
-    quantizes its input rows per token and reads them with the weight codes. No
-    host sync. `decode` as `fp8_expert_gemm` takes it."""
+    grouped GEMMs in Triton, [N, D] (+ addend) in `out_dtype` like
+    `grouped_expert_mlp`: each projection quantizes its input rows per token and
+    reads them with the weight codes. No host sync. `decode` as `fp8_expert_gemm`
+    takes it."""
     from atom.kernels.expert_gemm import fp8_expert_gemm
 
     def product(name: str) -> GroupedProduct:
@@ -196,6 +199,8 @@ def fp8_expert_mlp(
         product("w13"),
         product("w2"),
         module.act,
+        addend,
+        out_dtype,
     )
 
 
@@ -230,10 +235,14 @@ class PtpcFp8Experts:
         x: torch.Tensor,
         weights: torch.Tensor,
         expert_ids: torch.Tensor,
+        addend: torch.Tensor | None = None,
+        out_dtype: torch.dtype = torch.float32,
     ) -> torch.Tensor:
         if self.kernels:
-            return fp8_expert_mlp(x, weights, expert_ids, module)
-        return self.reference(module, x, weights, expert_ids)
+            return fp8_expert_mlp(
+                x, weights, expert_ids, module, addend=addend, out_dtype=out_dtype
+            )
+        return self.reference(module, x, weights, expert_ids, addend, out_dtype)
 
     def reference(
         self,
@@ -241,6 +250,8 @@ class PtpcFp8Experts:
         x: torch.Tensor,
         weights: torch.Tensor,
         expert_ids: torch.Tensor,
+        addend: torch.Tensor | None = None,
+        out_dtype: torch.dtype = torch.float32,
     ) -> torch.Tensor:
         """Dequantize only the experts this step routes to."""
         used = expert_ids.unique()
@@ -260,4 +271,6 @@ class PtpcFp8Experts:
             module.act,
             expert_path(w13, w2),
             row_transform=round_trip_rows,
+            addend=addend,
+            out_dtype=out_dtype,
         )

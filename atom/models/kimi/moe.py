@@ -15,7 +15,11 @@ from atom.model_ops.gated_mlp import GatedMLP
 from atom.model_ops.layernorm import RMSNorm
 from atom.model_ops.linear import ReplicatedLinear
 from atom.model_ops.moe_router import select_experts
-from atom.model_ops.routed_experts import FusedExperts, RouterGate
+from atom.model_ops.routed_experts import (
+    FusedExperts,
+    RouterGate,
+    expert_block_output,
+)
 from atom.models.kimi.config import KimiTextConfig
 
 
@@ -23,9 +27,11 @@ def make_act(config: KimiTextConfig) -> nn.Module:
     return get_act_and_mul(config.hidden_act, config.situ_beta, config.situ_linear_beta)
 
 
-def dense_mlp(config: KimiTextConfig, inner: int) -> GatedMLP:
+def dense_mlp(
+    config: KimiTextConfig, inner: int, reduce_results: bool = True
+) -> GatedMLP:
     """A gated MLP of width `inner` with the config's activation."""
-    return GatedMLP(config.hidden_size, inner, make_act(config))
+    return GatedMLP(config.hidden_size, inner, make_act(config), reduce_results)
 
 
 class KimiMoE(nn.Module):
@@ -54,8 +60,15 @@ class KimiMoE(nn.Module):
             latent or hidden,
             make_act(config),
         )
+        # Beside plain routed experts the shared ones join the routed partial sum
+        # unreduced (`expert_block_output`); a latent MoE adds them after its
+        # up-projection, reduced.
         self.shared_experts = (
-            dense_mlp(config, config.moe_intermediate_size * config.num_shared_experts)
+            dense_mlp(
+                config,
+                config.moe_intermediate_size * config.num_shared_experts,
+                reduce_results=self.latent,
+            )
             if config.num_shared_experts
             else None
         )
@@ -71,17 +84,17 @@ class KimiMoE(nn.Module):
             self.scaling,
             self.scoring,
         )
-        tp = get_tp_group()
-        if self.latent:
-            routed_in = self.routed_expert_down_proj(x)
-            # Reduce before the norm: RMSNorm of a partial sum is not a partial norm.
-            routed = tp.all_reduce(self.experts(routed_in, weights, expert_ids))
-            routed = routed.to(x.dtype)
-            if hasattr(self, "routed_expert_norm"):
-                routed = self.routed_expert_norm(routed)
-            routed = self.routed_expert_up_proj(routed)
-        else:
-            routed = tp.all_reduce(self.experts(x, weights, expert_ids)).to(x.dtype)
+        if not self.latent:
+            return expert_block_output(
+                self.experts, x, weights, expert_ids, self.shared_experts
+            )
+        routed_in = self.routed_expert_down_proj(x)
+        # Reduce before the norm: RMSNorm of a partial sum is not a partial norm.
+        routed = get_tp_group().all_reduce(self.experts(routed_in, weights, expert_ids))
+        routed = routed.to(x.dtype)
+        if hasattr(self, "routed_expert_norm"):
+            routed = self.routed_expert_norm(routed)
+        routed = self.routed_expert_up_proj(routed)
         if self.shared_experts is not None:
             routed = routed + self.shared_experts(x)
         return routed

@@ -11,11 +11,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from atom.distributed.parallel_state import get_tp_group
 from atom.model_ops.activation import SwigluOAIAndMul
 from atom.model_ops.gated_mlp import GatedMLP
 from atom.model_ops.moe_router import select_experts
-from atom.model_ops.routed_experts import FusedExperts, RouterGate
+from atom.model_ops.routed_experts import (
+    FusedExperts,
+    RouterGate,
+    expert_block_output,
+)
 from atom.models.minimax_m3.config import MiniMaxM3TextConfig
 
 
@@ -42,7 +45,10 @@ class MiniMaxM3MoE(nn.Module):
         self.shared_experts = None
         if config.shared_intermediate_size:
             self.shared_experts = GatedMLP(
-                hidden, config.shared_intermediate_size, swigluoai(config)
+                hidden,
+                config.shared_intermediate_size,
+                swigluoai(config),
+                reduce_results=False,  # reduced with the routed sum
             )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -54,8 +60,6 @@ class MiniMaxM3MoE(nn.Module):
             routed_scaling_factor=self.scaling,
             scoring="sigmoid",
         )
-        routed = self.experts(x, weights, expert_ids)
-        out = get_tp_group().all_reduce(routed).to(x.dtype)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return out
+        return expert_block_output(
+            self.experts, x, weights, expert_ids, self.shared_experts
+        )
