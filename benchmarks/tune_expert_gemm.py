@@ -27,6 +27,7 @@ from bench_kernels import time_us
 from hbm_peak import resolve_hbm_bytes_per_s
 
 from atom.kernels.expert_gemm import GemmTiles, default_tiles, expert_gemm
+from atom.model_ops.activation import GatedAct
 from atom.model_ops.grouped_experts import align_to_experts
 
 
@@ -49,10 +50,13 @@ def time_product(
     weight: torch.Tensor,
     ends: torch.Tensor,
     source: torch.Tensor | None,
+    act: GatedAct | None,
     tiles: GemmTiles,
     iters: int,
 ) -> float:
-    return time_us(lambda: expert_gemm(rows, weight, ends, source, tiles), iters)
+    return time_us(
+        lambda: expert_gemm(rows, weight, ends, source, tiles, act=act), iters
+    )
 
 
 def tune(args: argparse.Namespace, batch: int, peak: float) -> None:
@@ -66,20 +70,24 @@ def tune(args: argparse.Namespace, batch: int, peak: float) -> None:
     w2 = torch.randn(experts, hidden, inner, device=dev, dtype=dtype) / 30
     sorted_rows = torch.randn(token_of.numel(), inner, device=dev, dtype=dtype)
     used = int((ends.diff(prepend=ends.new_zeros(1)) > 0).sum())
+    # The gate/up product as the MoE runs it (SiLU fused) and plain.
     products = {
-        "w13 (gather)": (x, w13, token_of),
-        "w2": (sorted_rows, w2, None),
+        "w13 + SiLU (gather)": (x, w13, token_of, GatedAct("silu", 0.0, None)),
+        "w13 (gather)": (x, w13, token_of, None),
+        "w2": (sorted_rows, w2, None, None),
     }
     pairs = token_of.numel()
-    default = default_tiles(pairs, experts, dtype, False, x.device)
-    choices = [default, *candidates(default.block_m, pairs / used)]
-    for name, (rows, weight, source) in products.items():
+    for name, (rows, weight, source, act) in products.items():
+        default = default_tiles(
+            pairs, experts, dtype, False, x.device, gated=act is not None
+        )
+        choices = [default, *candidates(default.block_m, pairs / used)]
         moved = used * weight[0].numel() * weight.element_size()
         flops = 2 * pairs * weight[0].numel()
         timed = []
         for tiles in choices:
             try:
-                us = time_product(rows, weight, ends, source, tiles, args.iters)
+                us = time_product(rows, weight, ends, source, act, tiles, args.iters)
             except Exception as error:  # noqa: BLE001 - e.g. out of shared memory
                 print(f"  {tiles}: failed ({type(error).__name__})")
                 continue

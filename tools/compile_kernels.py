@@ -113,18 +113,25 @@ def _specs() -> list[KernelSpec]:
 def _per_dtype_specs(dt: str) -> list[KernelSpec]:
     """The kernels whose operands take the model's dtype."""
     specs = [
-        KernelSpec(
-            "moe_combine",
-            "_combine_kernel",
-            dict(
-                y_ptr=f"*{dt}",
-                position_ptr="*i32",
-                weights_ptr="*fp32",
-                out_ptr="*fp32",
-                width="i32",
-                stride_y="i32",
-            ),
-            dict(TOP_K=8, BLOCK=1024),
+        # The partial sum in fp32, and one rank's block output with the shared
+        # experts' output added, in the model dtype.
+        *(
+            KernelSpec(
+                "moe_combine",
+                "_combine_kernel",
+                dict(
+                    y_ptr=f"*{dt}",
+                    position_ptr="*i32",
+                    weights_ptr="*fp32",
+                    addend_ptr=f"*{dt}",
+                    out_ptr=out,
+                    width="i32",
+                    stride_y="i32",
+                    stride_addend="i32",
+                ),
+                dict(TOP_K=8, HAS_ADDEND=addend, BLOCK=1024),
+            )
+            for out, addend in (("*fp32", False), (f"*{dt}", True))
         ),
         KernelSpec(
             "kda_head_norms",
@@ -210,6 +217,11 @@ def _per_dtype_specs(dt: str) -> list[KernelSpec]:
     for operand, out, fp8, decode in forms:
         for gather in (False, True):
             specs.append(_expert_gemm_spec(operand, out, fp8, decode, gather, dt))
+        # The gate/up product finished with SiLU, and with SiTU's two betas.
+        for act, has_p1 in ((0, False), (1, True)):
+            specs.append(
+                _expert_gemm_spec(operand, out, fp8, decode, True, dt, act, has_p1)
+            )
     # Paged GQA decode and the indexer's block scores (MiniMax-M3's shapes: 16
     # query heads a KV head, head and index dims of 128), over a cache in the
     # model dtype or in fp8.
@@ -322,7 +334,14 @@ def _index_scores_spec(dt: str, cache: str) -> KernelSpec:
 
 
 def _expert_gemm_spec(
-    operand: str, out: str, fp8: bool, decode: bool, gather: bool, dt: str
+    operand: str,
+    out: str,
+    fp8: bool,
+    decode: bool,
+    gather: bool,
+    dt: str,
+    act: int = -1,
+    has_p1: bool = False,
 ) -> KernelSpec:
     ieee = dt == "fp32" and not fp8
     return KernelSpec(
@@ -345,14 +364,18 @@ def _expert_gemm_spec(
             stride_we="i32",
             stride_wn="i32",
             stride_out="i32",
+            p0="fp32",
+            p1="fp32",
         ),
         dict(
             GATHER=gather,
             IEEE=ieee,
             FP8=fp8,
             DECODE=decode,
+            ACT=act,
+            HAS_P1=has_p1,
             BLOCK_M=16,
-            BLOCK_N=64,
+            BLOCK_N=64 if act < 0 else 32,
             BLOCK_K=128 if fp8 else 32 if ieee else 64,
         ),
     )

@@ -4,7 +4,8 @@ The torch reference is `atom.model_ops.grouped_experts._grouped_linear`. Rows
 arrive sorted by expert (group e is rows [start_e, end_e)); each program multiplies
 one tile of BLOCK_M rows of one group by one BLOCK_N slice of that expert's weight.
 The tile list is built on the device from the group sizes with a fixed upper bound
-on its length (ceil(M / BLOCK_M) + E tiles), so nothing is read back to the host and
+on its length (ceil(M / BLOCK_M) + min(E, M) tiles: each group holding a row adds
+at most one partial tile), so nothing is read back to the host and
 a CUDA graph can capture the whole product in any dtype. Tiles past the real count
 exit at once. The first GEMM of an expert MLP reads its rows through `row_source`
 (the token each sorted row belongs to), which fuses the gather of the inputs.
@@ -15,6 +16,12 @@ scales. On sm89+ NVIDIA GPUs the dot reads the e4m3 operands as they are; elsewh
 (older GPUs, ROCm) the kernel decodes the codes to fp16, which holds every e4m3
 value exactly, and multiplies those. The scales apply once, after the K loop.
 
+The gate/up product may finish with the gated activation (`GatedAct`): each
+program then reads the gate rows and the matching up rows of its columns, keeps two
+accumulators and writes act(gate) * up, [M, I] instead of [M, 2I]. The activation
+kernel between the two products and the wide intermediate's round trip through
+memory go away, and the activation reads fp32 sums, not rounded ones.
+
 `GemmTiles` is a launch's tile shape and pipelining. `default_tiles` chooses it
 from the rows per expert, the operand type and the device's shared memory;
 `benchmarks/tune_expert_gemm.py` times other choices at a model's shapes on a GPU.
@@ -24,13 +31,18 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
 
 from atom.kernels import rows_per_chunk
+from atom.kernels.gated_act import ACTIVATIONS, gated_activation
 from atom.utils.arithmetic import ceil_div
+
+if TYPE_CHECKING:
+    from atom.model_ops.activation import GatedAct
 
 
 @triton.jit
@@ -41,6 +53,30 @@ def _e4m3_to_fp16(code_bits):
     bits = code_bits.to(tl.int32)
     half = ((bits & 0x7F) << 7) | ((bits & 0x80) << 8)
     return half.to(tl.uint16).to(tl.float16, bitcast=True) * 256.0
+
+
+@triton.jit
+def _accumulate(
+    a,
+    w,
+    acc,
+    IEEE: tl.constexpr,
+    FP8: tl.constexpr,
+    DECODE: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    if DECODE:
+        a = _e4m3_to_fp16(a)
+        w = _e4m3_to_fp16(w)
+    if IEEE:
+        acc = tl.dot(a, w, acc, input_precision="ieee")
+    elif FP8 and not DECODE:
+        # Hopper's fp8 MMA accumulates with reduced precision: fold each
+        # BLOCK_K slice into the fp32 accumulator, as cuBLAS's fp8 GEMM does.
+        acc = tl.dot(a, w, acc, max_num_imprecise_acc=BLOCK_K)
+    else:
+        acc = tl.dot(a, w, acc)
+    return acc
 
 
 @triton.jit
@@ -61,14 +97,20 @@ def _expert_gemm_kernel(
     stride_we,
     stride_wn,
     stride_out,
+    p0,
+    p1,
     GATHER: tl.constexpr,
     IEEE: tl.constexpr,
     FP8: tl.constexpr,
     DECODE: tl.constexpr,
+    ACT: tl.constexpr,
+    HAS_P1: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
+    # ACT >= 0: N is the activation's width I, and the up rows sit N rows below
+    # the gate rows of each expert's [2I, K] weight.
     tile = tl.program_id(0)
     expert = tl.load(tile_expert_ptr + tile)
     if expert >= num_experts:
@@ -86,6 +128,8 @@ def _expert_gemm_kernel(
     ks = tl.arange(0, BLOCK_K)
     w_tile = w_ptr + expert.to(tl.int64) * stride_we
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if ACT >= 0:
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + ks
         k_ok = k < K
@@ -95,26 +139,22 @@ def _expert_gemm_kernel(
             other=0.0,
         )
         # w is [N, K] per expert: load the [BLOCK_K, BLOCK_N] transpose tile.
-        w = tl.load(
-            w_tile + cols[None, :] * stride_wn + k[:, None],
-            mask=k_ok[:, None] & col_ok[None, :],
-            other=0.0,
-        )
-        if DECODE:
-            a = _e4m3_to_fp16(a)
-            w = _e4m3_to_fp16(w)
-        if IEEE:
-            acc = tl.dot(a, w, acc, input_precision="ieee")
-        elif FP8 and not DECODE:
-            # Hopper's fp8 MMA accumulates with reduced precision: fold each
-            # BLOCK_K slice into the fp32 accumulator, as cuBLAS's fp8 GEMM does.
-            acc = tl.dot(a, w, acc, max_num_imprecise_acc=BLOCK_K)
-        else:
-            acc = tl.dot(a, w, acc)
+        w_cols = w_tile + cols[None, :] * stride_wn + k[:, None]
+        w_ok = k_ok[:, None] & col_ok[None, :]
+        w = tl.load(w_cols, mask=w_ok, other=0.0)
+        acc = _accumulate(a, w, acc, IEEE, FP8, DECODE, BLOCK_K)
+        if ACT >= 0:
+            w_up = tl.load(w_cols + N * stride_wn, mask=w_ok, other=0.0)
+            acc_up = _accumulate(a, w_up, acc_up, IEEE, FP8, DECODE, BLOCK_K)
     if FP8:
-        a_scale = tl.load(a_scale_ptr + a_rows, mask=row_ok, other=0.0)
-        w_scale = tl.load(w_scale_ptr + expert * N + cols, mask=col_ok, other=0.0)
-        acc = acc * a_scale[:, None] * w_scale[None, :]
+        a_scale = tl.load(a_scale_ptr + a_rows, mask=row_ok, other=0.0)[:, None]
+        scale_rows = 2 * N if ACT >= 0 else N
+        w_scales = w_scale_ptr + expert * scale_rows + cols
+        acc *= a_scale * tl.load(w_scales, mask=col_ok, other=0.0)[None, :]
+        if ACT >= 0:
+            acc_up *= a_scale * tl.load(w_scales + N, mask=col_ok, other=0.0)[None, :]
+    if ACT >= 0:
+        acc = gated_activation(acc, acc_up, p0, p1, ACT, HAS_P1)
     out = out_ptr + rows.to(tl.int64)[:, None] * stride_out + cols[None, :]
     tl.store(
         out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :]
@@ -146,9 +186,11 @@ PREFILL_ROWS_PER_EXPERT = 128
 PREFILL_TILES = GemmTiles(128, 128, 64, num_warps=8, num_stages=3)
 
 
-def shared_memory_bytes(tiles: GemmTiles, element_size: int) -> int:
-    """Shared memory a launch stages: one row tile and one weight tile per stage."""
-    per_stage = (tiles.block_m + tiles.block_n) * tiles.block_k * element_size
+def shared_memory_bytes(tiles: GemmTiles, element_size: int, gated: bool) -> int:
+    """Shared memory a launch stages: one row tile and one weight tile (two when
+    the activation is fused: gate and up) per stage."""
+    weight_cols = tiles.block_n * (2 if gated else 1)
+    per_stage = (tiles.block_m + weight_cols) * tiles.block_k * element_size
     return tiles.num_stages * per_stage
 
 
@@ -167,20 +209,35 @@ def default_tiles(
     dtype: torch.dtype,
     fp8: bool,
     device: torch.device,
+    gated: bool = False,
 ) -> GemmTiles:
     """The tiles of a product over `num_rows` sorted rows and `num_experts` groups
-    on `device`."""
+    on `device`; `gated`: the product fuses the activation, so each program reads
+    gate and up columns and holds two accumulators (half as many columns each)."""
     half = dtype in (torch.bfloat16, torch.float16) and not fp8
+    block_n = 32 if gated else 64
     if half and num_rows >= PREFILL_ROWS_PER_EXPERT * num_experts:
+        tiles = PREFILL_TILES
+        if gated:  # the two accumulators hold what one 128-column tile did
+            tiles = GemmTiles(128, 64, 64, num_warps=8, num_stages=3)
         # 96 KiB fits a Hopper SM but not every GPU (a ROCm CU has 64 KiB).
         limit = _device_shared_memory(device)
-        needed = shared_memory_bytes(PREFILL_TILES, dtype.itemsize)
+        needed = shared_memory_bytes(tiles, dtype.itemsize, gated)
         if limit is None or needed <= limit:
-            return PREFILL_TILES
-    # Few rows per expert (decode) waste less of a small tile.
+            return tiles
+    # Few rows per expert (decode) waste less of a small tile; a fused
+    # activation's narrower tiles keep as many programs streaming the weights.
     block_m = 16 if num_rows <= 4 * num_experts else 64
     block_k = 128 if fp8 else 32 if dtype == torch.float32 else 64
-    return GemmTiles(block_m, 64, block_k)
+    return GemmTiles(block_m, block_n, block_k)
+
+
+def tile_bound(num_rows: int, num_experts: int, block_m: int) -> int:
+    """The most tiles `num_rows` sorted rows in `num_experts` groups can take: the
+    full tiles, plus one partial tile for each group that holds a row. At a decode
+    step of one token (8 rows, 32 experts) that is 9 tiles, not 33: the GEMM's grid
+    holds fewer programs that only exit."""
+    return ceil_div(num_rows, block_m) + min(num_experts, num_rows)
 
 
 @triton.jit
@@ -220,7 +277,7 @@ def expert_tiles_triton(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`expert_tiles` in one launch; a padding tile's row is unspecified (unread)."""
     num_experts = group_ends.numel()
-    num_tiles = ceil_div(num_rows, block_m) + num_experts
+    num_tiles = tile_bound(num_rows, num_experts, block_m)
     tile_expert = torch.empty(num_tiles, dtype=torch.int32, device=group_ends.device)
     tile_row = torch.empty_like(tile_expert)
     block_e = triton.next_power_of_2(num_experts)
@@ -241,7 +298,7 @@ def expert_tiles(
     group_ends: torch.Tensor, num_rows: int, block_m: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(expert of each tile, first sorted row of each tile), padded to the fixed
-    bound ceil(num_rows / block_m) + E with expert = E (no work). The torch
+    bound `tile_bound` with expert = E (no work). The torch
     reference of `expert_tiles_triton`, which the GEMMs use: one launch instead of
     about ten."""
     num_experts = group_ends.numel()
@@ -249,7 +306,7 @@ def expert_tiles(
     counts = ends.diff(prepend=ends.new_zeros(1))
     tiles_per_expert = ceil_div(counts, block_m)
     tile_ends = tiles_per_expert.cumsum(0)
-    max_tiles = ceil_div(num_rows, block_m) + num_experts
+    max_tiles = tile_bound(num_rows, num_experts, block_m)
     tile = torch.arange(max_tiles, device=ends.device)
     expert = torch.searchsorted(tile_ends, tile, right=True)
     known = expert.clamp(max=num_experts - 1)
@@ -268,18 +325,28 @@ def _launch(
     decode: bool = False,
     tiles: GemmTiles | None = None,
     tile_lists: TileLists | None = None,
+    act: GatedAct | None = None,
 ) -> torch.Tensor:
-    """Fill `out` [M, N] with the grouped product; `scales` (row scales [rows, 1],
-    weight scales [E, N, 1]) mark fp8 operands, which `decode` reads as bits;
-    `tiles` None takes `default_tiles`; `tile_lists` keeps the tile list built
-    from these groups for the next product over them."""
+    """Fill `out` [M, N] with the grouped product ([M, N/2] through `act`);
+    `scales` (row scales [rows, 1], weight scales [E, N, 1]) mark fp8 operands,
+    which `decode` reads as bits; `tiles` None takes `default_tiles`; `tile_lists`
+    keeps the tile list built from these groups for the next product over them."""
     num_rows = out.shape[0]
     num_experts, n, k = weight.shape
+    if act is not None:
+        if n % 2:
+            raise ValueError(f"a gated product needs [gate | up] rows, got {n}")
+        n //= 2
     if num_rows == 0:
         return out
     if tiles is None:
         tiles = default_tiles(
-            num_rows, num_experts, rows.dtype, scales is not None, rows.device
+            num_rows,
+            num_experts,
+            rows.dtype,
+            scales is not None,
+            rows.device,
+            gated=act is not None,
         )
     group_ends = group_ends.to(torch.int32)
     tile_lists = {} if tile_lists is None else tile_lists
@@ -310,10 +377,14 @@ def _launch(
         weight.stride(0),
         weight.stride(1),
         out.stride(0),
+        act.p0 if act is not None else 0.0,
+        act.p1 if act is not None and act.p1 is not None else 1.0,
         GATHER=row_source is not None,
         IEEE=rows.dtype == torch.float32,
         FP8=scales is not None,
         DECODE=decode,
+        ACT=ACTIVATIONS[act.name] if act is not None else -1,
+        HAS_P1=act is not None and act.p1 is not None,
         BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n,
         BLOCK_K=tiles.block_k,
@@ -330,8 +401,10 @@ def expert_gemm(
     row_source: torch.Tensor | None = None,
     tiles: GemmTiles | None = None,
     tile_lists: TileLists | None = None,
+    act: GatedAct | None = None,
 ) -> torch.Tensor:
-    """out [M, N] with out[r] = rows[src(r)] @ weight[e(r)].T, in rows' dtype.
+    """out [M, N] with out[r] = rows[src(r)] @ weight[e(r)].T, in rows' dtype; with
+    `act`, [M, N/2]: act(gate) * up of that product's two halves.
 
     weight [E, N, K]; group_ends [E] int (cumulative group sizes over the M sorted
     rows); row_source [M] the row of `rows` each sorted row reads (None: itself).
@@ -341,7 +414,8 @@ def expert_gemm(
     """
     num_rows = row_source.shape[0] if row_source is not None else rows.shape[0]
     rows = rows.contiguous()
-    out = rows.new_empty(num_rows, weight.shape[1])
+    width = weight.shape[1] // (2 if act is not None else 1)
+    out = rows.new_empty(num_rows, width)
     return _launch(
         rows,
         weight.contiguous(),
@@ -350,6 +424,7 @@ def expert_gemm(
         out,
         tiles=tiles,
         tile_lists=tile_lists,
+        act=act,
     )
 
 
@@ -373,9 +448,11 @@ def fp8_expert_gemm(
     out_dtype: torch.dtype = torch.bfloat16,
     decode: bool | None = None,
     tile_lists: TileLists | None = None,
+    act: GatedAct | None = None,
 ) -> torch.Tensor:
     """`expert_gemm` of e4m3 operands: out[r] = (codes[src(r)] * row_scale[src(r)])
-    @ (weight[e] * weight_scale[e]).T, in `out_dtype`.
+    @ (weight[e] * weight_scale[e]).T, in `out_dtype` (through `act` as
+    `expert_gemm` applies it).
 
     codes [rows, K] and row_scale [rows, 1] as `quantize_rows` gives them; weight
     [E, N, K] e4m3 with weight_scale [E, N, 1] fp32. `decode` forces the fp16
@@ -385,7 +462,8 @@ def fp8_expert_gemm(
     num_rows = row_source.shape[0] if row_source is not None else codes.shape[0]
     if decode is None:
         decode = not fp8_dot_native(codes.device)
-    out = torch.empty(num_rows, weight.shape[1], dtype=out_dtype, device=codes.device)
+    width = weight.shape[1] // (2 if act is not None else 1)
+    out = torch.empty(num_rows, width, dtype=out_dtype, device=codes.device)
     scales = (row_scale.contiguous(), weight_scale.contiguous())
     return _launch(
         codes.contiguous(),
@@ -396,4 +474,5 @@ def fp8_expert_gemm(
         scales,
         decode,
         tile_lists=tile_lists,
+        act=act,
     )

@@ -26,6 +26,24 @@ def _tanh(x):
 
 
 @triton.jit
+def gated_activation(gate, up, p0, p1, ACT: tl.constexpr, HAS_P1: tl.constexpr):
+    """act(gate) * up of fp32 tiles (ACTIVATIONS names ACT); also the epilogue of
+    the grouped expert GEMM that fuses it (`expert_gemm.py`)."""
+    if ACT == 0:  # SiLU: gate * sigmoid(gate) * up
+        out = gate * tl.sigmoid(gate) * up
+    elif ACT == 1:  # SiTU: p0 = beta, p1 = linear beta (if any)
+        out = p0 * _tanh(gate / p0) * tl.sigmoid(gate)
+        if HAS_P1:
+            up = p1 * _tanh(up / p1)
+        out = out * up
+    else:  # SwiGLU-OAI: p0 = alpha, p1 = limit
+        gate = tl.minimum(gate, p1)
+        up = tl.minimum(tl.maximum(up, -p1), p1)
+        out = (up + 1.0) * (gate * tl.sigmoid(gate * p0))
+    return out
+
+
+@triton.jit
 def _gated_act_kernel(
     x_ptr,
     out_ptr,
@@ -42,19 +60,7 @@ def _gated_act_kernel(
     inside = cols < inner
     gate = tl.load(x_ptr + row * stride_x + cols, mask=inside, other=0.0)
     up = tl.load(x_ptr + row * stride_x + inner + cols, mask=inside, other=0.0)
-    gate = gate.to(tl.float32)
-    up = up.to(tl.float32)
-    if ACT == 0:  # SiLU: gate * sigmoid(gate) * up
-        out = gate * tl.sigmoid(gate) * up
-    elif ACT == 1:  # SiTU: p0 = beta, p1 = linear beta (if any)
-        out = p0 * _tanh(gate / p0) * tl.sigmoid(gate)
-        if HAS_P1:
-            up = p1 * _tanh(up / p1)
-        out = out * up
-    else:  # SwiGLU-OAI: p0 = alpha, p1 = limit
-        gate = tl.minimum(gate, p1)
-        up = tl.minimum(tl.maximum(up, -p1), p1)
-        out = (up + 1.0) * (gate * tl.sigmoid(gate * p0))
+    out = gated_activation(gate.to(tl.float32), up.to(tl.float32), p0, p1, ACT, HAS_P1)
     tl.store(
         out_ptr + row * inner + cols, out.to(out_ptr.dtype.element_ty), mask=inside
     )

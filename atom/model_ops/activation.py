@@ -5,6 +5,8 @@ On CUDA one Triton kernel computes any of them (`kernels/gated_act.py`); each
 module's `reference` is the torch definition the kernel is tested against.
 """
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -22,11 +24,21 @@ def _split_gate_up(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return x.chunk(2, dim=-1)
 
 
+class GatedAct(NamedTuple):
+    """A gated activation as the Triton kernels take it: its name in
+    `kernels/gated_act.py`'s ACTIVATIONS and its two parameters."""
+
+    name: str
+    p0: float
+    p1: float | None
+
+
 class GatedActivation(nn.Module):
     """act(gate) * up: the Triton kernel on CUDA, `reference` elsewhere."""
 
-    def kernel_args(self) -> tuple[str, float, float | None]:
-        """(activation name, p0, p1) as `kernels.gated_act.gated_act_triton` takes."""
+    def kernel_args(self) -> GatedAct:
+        """(activation name, p0, p1) as `kernels.gated_act.gated_act_triton` and the
+        grouped expert GEMM's fused epilogue (`kernels/expert_gemm.py`) take it."""
         raise NotImplementedError
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
@@ -44,8 +56,8 @@ class GatedActivation(nn.Module):
 class SiluAndMul(GatedActivation):
     """silu(gate) * up."""
 
-    def kernel_args(self) -> tuple[str, float, float | None]:
-        return "silu", 0.0, None
+    def kernel_args(self) -> GatedAct:
+        return GatedAct("silu", 0.0, None)
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = _split_gate_up(x)
@@ -66,8 +78,8 @@ class SiTUAndMul(GatedActivation):
         self.beta = float(beta)
         self.linear_beta = None if linear_beta is None else float(linear_beta)
 
-    def kernel_args(self) -> tuple[str, float, float | None]:
-        return "situ", self.beta, self.linear_beta
+    def kernel_args(self) -> GatedAct:
+        return GatedAct("situ", self.beta, self.linear_beta)
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = (half.float() for half in _split_gate_up(x))
@@ -96,8 +108,8 @@ class SwigluOAIAndMul(GatedActivation):
         self.alpha = float(alpha)
         self.limit = float(limit)
 
-    def kernel_args(self) -> tuple[str, float, float | None]:
-        return "swiglu_oai", self.alpha, self.limit
+    def kernel_args(self) -> GatedAct:
+        return GatedAct("swiglu_oai", self.alpha, self.limit)
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = _split_gate_up(x)

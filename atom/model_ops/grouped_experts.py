@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from atom.kernels import triton_available
+from atom.model_ops.activation import GatedAct, GatedActivation
 
 if TYPE_CHECKING:  # the kernel module imports triton, which may be absent
     from atom.kernels.expert_gemm import TileLists
@@ -67,16 +68,25 @@ def _grouped_linear(
     groups: ExpertGroups,
     path: ExpertPath,
     row_source: torch.Tensor | None = None,
+    act: GatedAct | None = None,
 ) -> torch.Tensor:
     """out[r] = rows[row_source[r]] @ weight[e].T for sorted row r of group e, where
-    group e is [end_{e-1}, end_e); row_source None means rows are already sorted."""
+    group e is [end_{e-1}, end_e); row_source None means rows are already sorted.
+    `act` (the `triton` path only) finishes the product with the gated activation."""
     group_ends = groups.ends
     if path == "triton":
         from atom.kernels.expert_gemm import expert_gemm
 
         return expert_gemm(
-            rows, weight, group_ends, row_source, tile_lists=groups.tile_lists
+            rows,
+            weight,
+            group_ends,
+            row_source,
+            tile_lists=groups.tile_lists,
+            act=act,
         )
+    if act is not None:
+        raise ValueError(f"the {path!r} path does not fuse the activation")
     if row_source is not None:
         rows = rows[row_source]
     if path == "grouped_mm":
@@ -177,24 +187,37 @@ GroupedProduct = Callable[
 ]
 
 
+def gated_up_product(
+    product: Callable[[GatedAct | None], GroupedProduct],
+    act: Callable[[torch.Tensor], torch.Tensor],
+    path: ExpertPath,
+) -> GroupedProduct:
+    """The activated gate/up rows: `product(fused)` of the gate/up weight, where the
+    grouped GEMM finishes it with `act` itself (the `triton` path and an activation
+    it knows), else `act` after `product(None)`."""
+    if path == "triton" and isinstance(act, GatedActivation):
+        return product(act.kernel_args())
+    up = product(None)
+    return lambda rows, groups, row_source: act(up(rows, groups, row_source))
+
+
 def routed_mlp(
     x: torch.Tensor,
     routing_weights: torch.Tensor,
     expert_ids: torch.Tensor,
     num_experts: int,
-    up: GroupedProduct,
+    gated_up: GroupedProduct,
     down: GroupedProduct,
-    act: Callable[[torch.Tensor], torch.Tensor],
     addend: torch.Tensor | None = None,
     out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """sum_k routing_weights[:, k] * down(act(up(x))) for expert ids[:, k] (+
+    """sum_k routing_weights[:, k] * down(gated_up(x)) for expert ids[:, k] (+
     addend), [N, D] in `out_dtype`: the sort by expert and the combine around two
-    grouped products (`up` reads x through the sorted rows' tokens), whatever form
-    the weights take."""
+    grouped products (`gated_up` reads x through the sorted rows' tokens and gives
+    the activated rows), whatever form the weights take."""
     token_of, position, group_ends = align_to_experts(expert_ids, num_experts)
     groups = ExpertGroups(group_ends)
-    y = down(act(up(x, groups, token_of)), groups, None)
+    y = down(gated_up(x, groups, token_of), groups, None)
     return combine_expert_rows(y, position, routing_weights, addend, out_dtype)
 
 
@@ -228,9 +251,9 @@ def grouped_expert_mlp(
         return (out if addend is None else out + addend.float()).to(out_dtype)
     transform = row_transform or (lambda rows: rows)
 
-    def product(weight: torch.Tensor) -> GroupedProduct:
+    def product(weight: torch.Tensor, fused: GatedAct | None = None) -> GroupedProduct:
         return lambda rows, groups, row_source: _grouped_linear(
-            transform(rows), weight, groups, path, row_source
+            transform(rows), weight, groups, path, row_source, fused
         )
 
     return routed_mlp(
@@ -238,9 +261,8 @@ def grouped_expert_mlp(
         routing_weights,
         expert_ids,
         w13.shape[0],
-        product(w13),
+        gated_up_product(lambda fused: product(w13, fused), act, path),
         product(w2),
-        act,
         addend,
         out_dtype,
     )

@@ -88,7 +88,8 @@ def test_prefill_sized_groups_take_the_prefill_tiles_and_give_the_product(device
     if device == "cuda":
         props = torch.cuda.get_device_properties(device)
         fits = (
-            shared_memory_bytes(PREFILL_TILES, 2) <= props.shared_memory_per_block_optin
+            shared_memory_bytes(PREFILL_TILES, 2, False)
+            <= props.shared_memory_per_block_optin
         )
     tiles = default_tiles(tokens * top_k, experts, dtype, False, torch.device(device))
     assert (tiles == PREFILL_TILES) == fits
@@ -113,4 +114,98 @@ def test_the_prefill_tiles_stage_96_kib_in_half_precision():
     CU's 64 KiB, within a Hopper SM's 227 KiB."""
     from atom.kernels.expert_gemm import PREFILL_TILES, shared_memory_bytes
 
-    assert shared_memory_bytes(PREFILL_TILES, 2) == 96 * 1024
+    assert shared_memory_bytes(PREFILL_TILES, 2, False) == 96 * 1024
+
+
+GATED = [
+    ("silu", 0.0, None),
+    ("situ", 2.0, 3.0),
+    ("situ", 1.5, None),
+    ("swiglu_oai", 1.702, 0.5),
+]
+
+
+def gated_reference(product, name, p0, p1):
+    """The activation modules' torch definitions over an fp32 [M, 2I] product."""
+    from atom.model_ops.activation import SiluAndMul, SiTUAndMul, SwigluOAIAndMul
+
+    module = {
+        "silu": lambda: SiluAndMul(),
+        "situ": lambda: SiTUAndMul(p0, p1),
+        "swiglu_oai": lambda: SwigluOAIAndMul(p0, p1),
+    }[name]()
+    return module.reference(product)
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("tokens", [1, 9])
+@pytest.mark.parametrize("act", GATED)
+def test_the_fused_activation_is_the_activated_product(device, tokens, act):
+    """The gate/up product finished with the activation in the kernel: [M, I] equal
+    to the activation of the [M, 2I] product, in fp32 and half precision, for each
+    activation the kernels know (widths off the tile sizes)."""
+    if not triton_available(device):
+        pytest.skip("triton cannot run here")
+    from atom.kernels.expert_gemm import expert_gemm
+    from atom.model_ops.activation import GatedAct
+
+    gen = torch.Generator().manual_seed(tokens)
+    experts, top_k, inner, k = 5, 2, 36, 40
+    ids = torch.stack(
+        [torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)]
+    )
+    token_of, _, ends = align_to_experts(ids, experts)
+    x = torch.randn(tokens, k, generator=gen)
+    weight = torch.randn(experts, 2 * inner, k, generator=gen) / k**0.5
+    for dtype, tol in ((torch.float32, 1e-4), (half_dtype(device), 2e-2)):
+        rows, w = x.to(dtype), weight.to(dtype)
+        expected = gated_reference(grouped_reference(rows, w, token_of, ends), *act)
+        out = expert_gemm(
+            rows.to(device),
+            w.to(device),
+            ends.to(device),
+            token_of.to(device=device, dtype=torch.int32),
+            act=GatedAct(*act),
+        )
+        assert out.shape == (tokens * top_k, inner) and out.dtype == dtype
+        torch.testing.assert_close(out.float().cpu(), expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_fused_activation_at_prefill_tiles(device):
+    """Prefill-sized groups in half precision take the gated prefill tiles (two
+    64-column accumulators) and still give the activated product."""
+    if not triton_available(device):
+        pytest.skip("triton cannot run here")
+    from atom.kernels.expert_gemm import (
+        PREFILL_ROWS_PER_EXPERT,
+        default_tiles,
+        expert_gemm,
+        shared_memory_bytes,
+    )
+    from atom.model_ops.activation import GatedAct
+
+    dtype = half_dtype(device)
+    experts, inner, k = 2, 72, 48
+    tokens = PREFILL_ROWS_PER_EXPERT * experts + 3
+    tiles = default_tiles(tokens, experts, dtype, False, torch.device(device), True)
+    assert (tiles.block_m, tiles.block_n) in ((128, 64), (16, 32), (64, 32))
+    assert shared_memory_bytes(tiles, 2, True) <= 96 * 1024
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.tensor([[t % experts] for t in range(tokens)])
+    token_of, _, ends = align_to_experts(ids, experts)
+    x = torch.randn(tokens, k, generator=gen).to(dtype)
+    weight = (torch.randn(experts, 2 * inner, k, generator=gen) / k**0.5).to(dtype)
+    expected = gated_reference(
+        grouped_reference(x, weight, token_of, ends), "silu", 0.0, None
+    )
+    out = expert_gemm(
+        x.to(device),
+        weight.to(device),
+        ends.to(device),
+        token_of.to(device=device, dtype=torch.int32),
+        act=GatedAct("silu", 0.0, None),
+    )
+    torch.testing.assert_close(out.float().cpu(), expected, atol=2e-2, rtol=2e-2)

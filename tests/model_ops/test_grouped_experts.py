@@ -97,7 +97,9 @@ def test_both_products_of_an_expert_mlp_read_one_tile_list():
 
         return run
 
-    out = routed_mlp(x, weights, ids, experts, product(w13), product(w2), silu_and_mul)
+    up = product(w13)
+    gated_up = lambda *args: silu_and_mul(up(*args))  # noqa: E731
+    out = routed_mlp(x, weights, ids, experts, gated_up, product(w2))
     (groups_up, lists_up), (groups_down, lists_down) = seen
     assert groups_up is groups_down and len(lists_up) == 1
     ((height, tile_list),) = lists_up.items()

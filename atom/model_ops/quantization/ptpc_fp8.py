@@ -28,10 +28,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from atom.kernels import triton_available
+from atom.model_ops.activation import GatedAct
 from atom.model_ops.grouped_experts import (
     ExpertGroups,
     GroupedProduct,
     expert_path,
+    gated_up_product,
     grouped_expert_mlp,
     routed_mlp,
 )
@@ -168,7 +170,7 @@ def fp8_expert_mlp(
     takes it."""
     from atom.kernels.expert_gemm import fp8_expert_gemm
 
-    def product(name: str) -> GroupedProduct:
+    def product(name: str, act: GatedAct | None = None) -> GroupedProduct:
         weight, weight_scale = getattr(module, name), getattr(module, f"{name}_scale")
 
         def gemm(
@@ -187,6 +189,7 @@ def fp8_expert_mlp(
                 out_dtype=x.dtype,
                 decode=decode,
                 tile_lists=groups.tile_lists,
+                act=act,
             )
 
         return gemm
@@ -196,9 +199,8 @@ def fp8_expert_mlp(
         routing_weights,
         expert_ids,
         module.w13.shape[0],
-        product("w13"),
+        gated_up_product(lambda act: product("w13", act), module.act, "triton"),
         product("w2"),
-        module.act,
         addend,
         out_dtype,
     )
