@@ -9,7 +9,13 @@ microseconds per call for cuBLAS and for the kernel with `skinny_tiles`' choice
 (CUDA graph replays, as decode runs), the fraction of the HBM rate the kernel
 reaches reading W, and with `--sweep` the best of a grid of tiles beside it.
 
+A replay of one product reads its weight from L2 after the first call when it fits
+there (50 MB on an H100), which a decode step, reading 2 GB of weights a step, never
+does. `--cold` cycles each call through enough copies of the weight to fill L2
+four times over, so every call reads HBM as it does in a step.
+
     python benchmarks/bench_skinny_gemm.py --sweep
+    python benchmarks/bench_skinny_gemm.py --cold --rows 1
 """
 
 from __future__ import annotations
@@ -53,24 +59,48 @@ SWEEP = [
 ]
 
 
+def weight_copies(nbytes: int, cold: bool) -> int:
+    """How many copies of a weight of `nbytes` the timed calls cycle through: one
+    warm, else enough to fill L2 four times (at most 512 launches a replay)."""
+    if not cold:
+        return 1
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    return max(1, min(512, -(-4 * l2 // nbytes)))
+
+
 def bench_product(
-    name: str, rows: int, n: int, k: int, weight_dtype, iters: int, sweep: bool
+    name: str,
+    rows: int,
+    n: int,
+    k: int,
+    weight_dtype,
+    iters: int,
+    sweep: bool,
+    cold: bool,
 ) -> None:
     dev, bf16 = "cuda", torch.bfloat16
     x = torch.randn(rows, k, device=dev, dtype=bf16)
-    weight = torch.randn(n, k, device=dev, dtype=weight_dtype or bf16)
+    dtype = weight_dtype or bf16
+    copies = weight_copies(n * k * dtype.itemsize, cold)
+    weights = [torch.randn(n, k, device=dev, dtype=dtype) for _ in range(copies)]
+    weight = weights[0]
     out_dtype = weight.dtype
+
+    def per_call(product) -> float:
+        return time_us(lambda: [product(w) for w in weights], iters) / copies
+
     if weight_dtype is None:
-        cublas = time_us(lambda: F.linear(x, weight), iters)
+        cublas = per_call(lambda w: F.linear(x, w))
     else:  # the torch form of a product against fp32 weights casts x first
-        cublas = time_us(lambda: F.linear(x.float(), weight), iters)
+        cublas = per_call(lambda w: F.linear(x.float(), w))
 
     def ours(tiles: SkinnyTiles | None = None) -> float:
-        return time_us(lambda: skinny_linear(x, weight, None, out_dtype, tiles), iters)
+        return per_call(lambda w: skinny_linear(x, w, None, out_dtype, tiles))
 
     chosen = ours()
     line = (
-        f"{name:15s} rows {rows}: cuBLAS {cublas:7.1f} us, skinny {chosen:7.1f} us"
+        f"{name:15s} rows {rows}: cuBLAS {cublas:7.1f} us"
+        f" ({hbm_share(weight, cublas):5.1f} %), skinny {chosen:7.1f} us"
         f" ({cublas / chosen:4.2f}x) = {hbm_share(weight, chosen):5.1f} % of HBM"
     )
     if sweep:
@@ -93,12 +123,17 @@ def main() -> None:
     parser.add_argument("--rows", default="1,8")
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--sweep", action="store_true", help="also try every tiling")
+    parser.add_argument(
+        "--cold", action="store_true", help="read every weight from HBM (see above)"
+    )
     args = parser.parse_args()
     for rows in (int(r) for r in args.rows.split(",")):
         for name, n, k, weight_dtype in PRODUCTS:
             if rows > skinny_max_rows(n):
                 continue
-            bench_product(name, rows, n, k, weight_dtype, args.iters, args.sweep)
+            bench_product(
+                name, rows, n, k, weight_dtype, args.iters, args.sweep, args.cold
+            )
 
 
 def hbm_share(weight: torch.Tensor, us: float) -> float:
