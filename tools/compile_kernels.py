@@ -209,6 +209,10 @@ def _per_dtype_specs(dt: str) -> list[KernelSpec]:
                 dict(BOUNDED=bounded, DIM=128, BLOCK=128),
             )
         )
+    # The KDA decode / verify kernel: rows prepared apart, or raw (q and k normalised
+    # and the gates formed inside it), the latter with either gate form.
+    for raw, bounded in ((False, False), (True, False), (True, True)):
+        specs.append(_kda_decode_spec(dt, raw, bounded))
     # The grouped expert GEMM: plain in the model dtype, and fp8 (native e4m3
     # operands, or the bits decoded in-kernel).
     forms = [(f"*{dt}", f"*{dt}", False, False)]
@@ -233,6 +237,44 @@ def _per_dtype_specs(dt: str) -> list[KernelSpec]:
         # now share each row's visible keys.
         specs.append(_mla_decode_spec(dt, cache))
     return specs
+
+
+def _kda_decode_spec(dt: str, raw: bool, bounded: bool) -> KernelSpec:
+    ints = (
+        "rows heads q_sb q_st q_sh k_sb k_st k_sh v_sb v_st v_sh g_sb g_st g_sh "
+        "beta_sb beta_st beta_sh stride_pool stride_snap_slot stride_snap_row"
+    )
+    return KernelSpec(
+        "kda_decode",
+        "_kda_decode_kernel",
+        dict(
+            q_ptr=f"*{dt}",
+            k_ptr=f"*{dt}",
+            v_ptr=f"*{dt}",
+            g_ptr=f"*{dt}" if raw else "*fp32",
+            beta_ptr="*fp32",
+            a_log_ptr="*fp32",
+            dt_bias_ptr="*fp32",
+            starts_ptr="*i64",
+            o_ptr="*fp32",
+            pool_ptr="*fp32",
+            snap_ptr="*fp32",
+            slot_ptr="*i64",
+            context_lens_ptr="*i64",
+            scale="fp32",
+            lower_bound="fp32",
+            eps="fp32",
+            **dict.fromkeys(ints.split(), "i32"),
+        ),
+        dict(
+            KEY_DIM=128,
+            VALUE_DIM=128,
+            BLOCK_V=16,
+            SNAPSHOTS=raw,
+            RAW=raw,
+            BOUNDED=bounded,
+        ),
+    )
 
 
 def _mla_decode_spec(dt: str, cache: str) -> KernelSpec:

@@ -4,7 +4,9 @@ strength of a step's rows, in one launch, fp32 math.
 The torch references are `atom.model_ops.kda.kda_forget_gate` (an exp, a cast, the
 bias add, softplus or sigmoid, products: five or six kernels) and the sigmoid of the
 write strength's logits. One program per (row, head) reads that head's low-rank
-gate projection once and writes its log-decay row and its beta.
+gate projection once and writes its log-decay row and its beta. The math is
+`gate_values`, which the Triton decode kernel (`kda_decode.py`) also runs on its
+rows: on decode and verify steps this launch is left out.
 """
 
 from __future__ import annotations
@@ -36,8 +38,26 @@ def _kda_gates_kernel(
     inside = d < DIM
     f = tl.load(f_ptr + row * stride_f + head * DIM + d, mask=inside, other=0.0)
     bias = tl.load(dt_bias_ptr + head * DIM + d, mask=inside, other=0.0)
-    pre = f.to(tl.float32) + bias.to(tl.float32)
-    rate = tl.exp(tl.load(a_log_ptr + head).to(tl.float32))
+    b = tl.load(b_ptr + row * stride_b + head)
+    decay, beta = gate_values(
+        f.to(tl.float32),
+        bias.to(tl.float32),
+        tl.load(a_log_ptr + head).to(tl.float32),
+        b.to(tl.float32),
+        lower_bound,
+        BOUNDED,
+    )
+    tl.store(decay_ptr + (row * heads + head) * DIM + d, decay, mask=inside)
+    tl.store(beta_ptr + row * heads + head, beta)
+
+
+@triton.jit
+def gate_values(f, dt_bias, a_log, b_logit, lower_bound, BOUNDED: tl.constexpr):
+    """(log-decay, beta) of one head of one row, all fp32: f and dt_bias its
+    channels, a_log and b_logit scalars. Shared with the decode kernel
+    (`kda_decode.py`), which forms its gates in place."""
+    pre = f + dt_bias
+    rate = tl.exp(a_log)
     if BOUNDED:  # K3: lb * sigmoid(exp(A_log) * (f + dt_bias))
         decay = lower_bound * tl.sigmoid(rate * pre)
     else:  # Kimi Linear: -exp(A_log) * softplus(f + dt_bias), linear above 20
@@ -45,9 +65,7 @@ def _kda_gates_kernel(
             pre > 20.0, pre, tl.log(1.0 + tl.exp(tl.minimum(pre, 20.0)))
         )
         decay = -rate * softplus
-    tl.store(decay_ptr + (row * heads + head) * DIM + d, decay, mask=inside)
-    b = tl.load(b_ptr + row * stride_b + head).to(tl.float32)
-    tl.store(beta_ptr + row * heads + head, tl.sigmoid(b))
+    return decay, tl.sigmoid(b_logit)
 
 
 def kda_gates_triton(

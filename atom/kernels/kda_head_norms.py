@@ -4,7 +4,9 @@ Two places of a KDA layer normalize each head's vector, and in torch each costs 
 handful of kernels (cast, square, sum, sqrt or rsqrt, divide, products):
 
 - `l2_normalize_qk`: q and k after the short conv, both in one launch; the torch
-  reference is `atom.model_ops.kda.l2_normalize` applied to each.
+  reference is `atom.model_ops.kda.l2_normalize` applied to each. The Triton decode
+  kernel (`kda_decode.py`) normalizes its rows' q and k itself (`l2_normalized`),
+  so decode and verify steps skip this launch.
 - `output_norm_gate`: RMSNorm of the recurrence's output times sigmoid of the gate,
   written in the model's dtype; the reference is
   `atom.model_ops.kda.kda_output_norm_gate` followed by the cast.
@@ -15,6 +17,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+# The eps of q's and k's L2 norms, as `atom.model_ops.kda.l2_normalize` has it.
+L2_EPS = 1e-6
 
 
 @triton.jit
@@ -33,8 +38,7 @@ def _l2_normalize_qk_kernel(
     d = tl.arange(0, BLOCK)
     inside = d < DIM
     x = tl.load(x_ptr + row * stride_x + head * DIM + d, mask=inside, other=0.0)
-    x = x.to(tl.float32)
-    y = x / tl.sqrt(tl.sum(x * x, axis=0) + eps)
+    y = l2_normalized(x.to(tl.float32), eps)
     # As a vector: a scalar comparison does not combine with a mask.
     is_k = (d * 0 + head) >= heads
     offset = row * heads * DIM + tl.where(is_k, head - heads, head) * DIM + d
@@ -42,8 +46,15 @@ def _l2_normalize_qk_kernel(
     tl.store(k_ptr + offset, y, mask=inside & is_k)
 
 
+@triton.jit
+def l2_normalized(x, eps):
+    """fp32 x / sqrt(sum x^2 + eps) of one vector (zeros in masked lanes are
+    neutral). Shared with the decode kernel (`kda_decode.py`)."""
+    return x / tl.sqrt(tl.sum(x * x, axis=0) + eps)
+
+
 def l2_normalize_qk(
-    mixed: torch.Tensor, heads: int, head_dim: int, eps: float = 1e-6
+    mixed: torch.Tensor, heads: int, head_dim: int, eps: float = L2_EPS
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(q, k) fp32 [..., heads, head_dim], each head scaled to unit length, from
     `mixed` [..., >= 2 * heads * head_dim] holding q's heads then k's."""

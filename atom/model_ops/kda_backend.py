@@ -4,7 +4,10 @@ Every backend has the contract of `atom.model_ops.kda`: a batch of sequences pad
 [B, T, h, D], q and k already L2-normalised, g the fp32 log-decay, beta fp32, states
 value-first [h, Dv, Dk] fp32; outputs are fp32. Prefill takes the start states and
 returns the final ones; decode (and verify) works on the layer's state pool in place,
-so a kernel can read and write each sequence's slot itself. `Config.kda_backend`
+so a kernel can read and write each sequence's slot itself. `decode_raw` takes a
+decode step's inputs one stage earlier (q and k before their L2 norms, the gates'
+inputs), so a backend may fold those steps into its decode kernel, as the Triton
+one does; by default they run apart (`prepare`). `Config.kda_backend`
 (`ATOM_KDA_BACKEND=auto|torch|fla|triton`) picks one; auto is triton on CUDA (atom's
 decode kernel, fla's chunked prefill when importable), torch elsewhere.
 """
@@ -21,6 +24,8 @@ from atom.model_ops.kda import (
     causal_conv1d,
     chunk_kda,
     conv_state_after_each_row,
+    kda_forget_gate,
+    l2_normalize,
     recurrent_kda,
 )
 from atom.utils.forward_context import AttentionMetadata
@@ -58,6 +63,82 @@ class StateSlots:
         self.pool.index_copy_(0, self.slots, final.detach())
 
 
+def pointwise_kernels(x: torch.Tensor) -> bool:
+    """Whether a KDA layer's gates and per-head norms run as Triton kernels
+    (`kernels/kda_gates.py`, `kernels/kda_head_norms.py`) rather than their torch
+    references: on CUDA, where each launch counts."""
+    return x.is_cuda and triton_available(x.device)
+
+
+@dataclass(frozen=True)
+class KDAGates:
+    """A step's gate inputs, flat rows [N, ...] as the layer's projections made
+    them, and the layer's gate parameters (this rank's heads)."""
+
+    f: torch.Tensor  # [N, h * Dk] the forget gate's low-rank projection
+    b_logits: torch.Tensor  # [N, h] fp32 logits of the write strength beta
+    a_log: torch.Tensor  # [h] fp32
+    dt_bias: torch.Tensor  # [h * Dk] fp32
+    lower_bound: float | None  # K3's bounded gate; None: Kimi Linear's softplus
+
+    @property
+    def heads(self) -> int:
+        return self.b_logits.shape[-1]
+
+    @property
+    def head_dim(self) -> int:
+        return self.dt_bias.numel() // self.heads
+
+    def values(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log-decay g [N, h, Dk] fp32, beta [N, h] fp32)."""
+        if pointwise_kernels(self.f):
+            from atom.kernels.kda_gates import kda_gates_triton
+
+            return kda_gates_triton(
+                self.f,
+                self.a_log,
+                self.dt_bias,
+                self.lower_bound,
+                self.b_logits,
+                self.heads,
+                self.head_dim,
+            )
+        f = self.f.reshape(-1, self.heads, self.head_dim)
+        g = kda_forget_gate(f, self.a_log, self.dt_bias, self.lower_bound)
+        return g, torch.sigmoid(self.b_logits)
+
+
+def normalized_qkv(
+    conved: torch.Tensor, heads: int, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q, k, v) [B, T, h, D] of the conv's output [B, T, 3 * h * D], q and k
+    L2-normalised (fp32), v a view."""
+    batch, rows = conved.shape[:2]
+    width = heads * head_dim
+    v = conved[..., 2 * width :].reshape(batch, rows, heads, head_dim)
+    if pointwise_kernels(conved):
+        from atom.kernels.kda_head_norms import l2_normalize_qk
+
+        q, k = l2_normalize_qk(conved, heads, head_dim)
+    else:
+        q, k = (
+            l2_normalize(part.reshape(batch, rows, heads, head_dim))
+            for part in conved[..., : 2 * width].chunk(2, dim=-1)
+        )
+    return q, k, v
+
+
+def prepare(
+    conved: torch.Tensor, gates: KDAGates, metadata: AttentionMetadata
+) -> tuple[torch.Tensor, ...]:
+    """(q, k, v, g, beta) padded [B, T, ...] as `prefill` and `decode` take them,
+    from the conv's output [B, T, 3 * h * D] and the gate inputs (flat rows: the
+    padded rows of g and beta are zeros, which leave a state as it was)."""
+    q, k, v = normalized_qkv(conved, gates.heads, gates.head_dim)
+    g, beta = gates.values()
+    return q, k, v, metadata.pad(g), metadata.pad(beta)
+
+
 class KDABackend(Protocol):
     name: str
 
@@ -93,6 +174,18 @@ class KDABackend(Protocol):
         """Few rows per sequence (decode / speculative verify), padded [B, T, ...]:
         o [B, T, h, Dv]; the pool (and the snapshots on verify) updated in place."""
         ...
+
+    def decode_raw(
+        self,
+        conved: torch.Tensor,
+        gates: KDAGates,
+        states: StateSlots,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """`decode` from the conv's output conved [B, T, 3 * h * D] (q, k, v side
+        by side, q and k not yet normalised) and the gate inputs. Here the separate
+        steps then `decode`; a backend may fold them into its decode kernel."""
+        return self.decode(*prepare(conved, gates, metadata), states)
 
     def conv(
         self,
@@ -134,7 +227,7 @@ def torch_conv(
     return conved
 
 
-class TorchKDABackend:
+class TorchKDABackend(KDABackend):
     """Plain PyTorch: padded rows (g = 0, beta = 0) are neutral, so no lengths
     needed."""
 
@@ -151,7 +244,7 @@ class TorchKDABackend:
         return torch_decode(q, k, v, g, beta, states)
 
 
-class FlaKDABackend:
+class FlaKDABackend(KDABackend):
     """Wraps fla's varlen chunk and fused-recurrent KDA kernels.
 
     fla keeps states key-first `[N, h, Dk, Dv]`, so states are transposed on the way
@@ -200,10 +293,12 @@ class FlaKDABackend:
         return o
 
 
-class TritonKDABackend:
+class TritonKDABackend(KDABackend):
     """atom's kernels (`atom/kernels/kda_decode.py`, `kda_conv.py`): each
     sequence's states are read from and written to its slots inside the kernels,
     verify snapshots too. The short conv of every step runs in `kda_conv.py`.
+    `decode_raw` runs one kernel: it L2-normalises q and k and forms the gates
+    itself, so a decode or verify step launches neither of their kernels.
     The recurrence of a prefill runs `prefill_backend` (fla's chunked kernels when
     importable), but for small prefills: there the two decode kernels, looping over
     the rows, cost one launch each per layer where fla's chunked KDA costs over ten,
@@ -224,10 +319,11 @@ class TritonKDABackend:
     def __init__(self, prefill_backend: KDABackend) -> None:
         # Imported here: the kernel modules import triton, which may be absent.
         from atom.kernels.kda_conv import kda_conv_in_pool
-        from atom.kernels.kda_decode import kda_decode_in_pool
+        from atom.kernels.kda_decode import kda_decode_in_pool, kda_decode_raw_in_pool
 
         self.prefill_backend = prefill_backend
         self._decode = kda_decode_in_pool
+        self._decode_raw = kda_decode_raw_in_pool
         self._conv = kda_conv_in_pool
 
     def runs_as_decode(self, batch, rows):
@@ -257,6 +353,21 @@ class TritonKDABackend:
             v,
             g,
             beta,
+            states.pool,
+            states.slots,
+            states.context_lens,
+            states.snapshots,
+        )
+
+    def decode_raw(self, conved, gates, states, metadata):
+        return self._decode_raw(
+            conved,
+            gates.f,
+            gates.b_logits,
+            gates.a_log,
+            gates.dt_bias,
+            gates.lower_bound,
+            metadata.query_start_loc,
             states.pool,
             states.slots,
             states.context_lens,

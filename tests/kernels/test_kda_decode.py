@@ -1,5 +1,6 @@
 """atom/kernels/kda_decode.py and kda_conv.py against the torch decode
-(gather, the reference math, scatter)."""
+(gather, the reference math, scatter), and the decode kernel's fused form (q and k
+normalised and the gates formed inside it) against the separate steps."""
 
 import pytest
 import torch
@@ -8,9 +9,12 @@ from atom.kernels import triton_available
 from atom.kernels.kda_conv import ConvTiles, kda_conv_in_pool
 from atom.model_engine.batch import SeqWork
 from atom.model_engine.model_inputs import prepare_inputs
+from atom.model_ops import kda_backend
 from atom.model_ops.kda import l2_normalize
 from atom.model_ops.kda_backend import (
+    KDAGates,
     StateSlots,
+    TorchKDABackend,
     select_kda_backend,
     torch_conv,
     torch_decode,
@@ -65,6 +69,64 @@ def test_kernel_updates_the_pool_as_the_torch_decode_does(device, rows, verify):
     assert torch.equal(pools[0][untouched], pool[untouched])
     if verify:
         torch.testing.assert_close(snaps[0], snaps[1], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["kimi-linear", "k3"])
+@pytest.mark.parametrize(
+    "lengths",
+    [[1, 1, 1], [4, 4, 4], [4, 2, 3]],  # decode; verify; verify of uneven drafts
+    ids=["decode", "verify", "verify-uneven"],
+)
+def test_fused_decode_equals_the_separate_steps(
+    device, lower_bound, lengths, monkeypatch
+):
+    """`decode_raw` of the triton backend (one kernel) against the default one of
+    the torch backend (the torch norms and gates, `pad`, `torch_decode`): outputs,
+    pools and snapshots, for fresh and continuing sequences of several heads; the
+    padded rows of uneven drafts leave the states alone in both."""
+    if not triton_available(device):
+        pytest.skip("triton cannot run here")
+    heads, dim, num_slots = 3, 16, 6
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    gen = torch.Generator(device=device).manual_seed(sum(lengths))
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, device=device)
+
+    verify = max(lengths) > 1
+    metadata = conv_step(device, lengths)
+    tokens, width = sum(lengths), heads * dim
+    conved = randn(len(lengths), max(lengths), 3 * width).to(dtype)
+    # The projections' rows: f a strided view, with values in softplus's linear
+    # range (> 20); beta's logits fp32, as the layer makes them.
+    f = (randn(tokens, 2 * width) * 12)[:, :width].to(dtype)
+    b_logits = randn(tokens, heads) * 4
+    a_log = randn(heads)
+    gates = KDAGates(f, b_logits, a_log, randn(width), lower_bound)
+    pool = randn(num_slots, heads, dim, dim)
+    snapshots = torch.zeros(num_slots, 5, heads, dim, dim, device=device)
+    slots = torch.tensor([4, 0, 2], device=device)
+    context_lens = torch.tensor([4, 0, 9], dtype=torch.int32, device=device)
+    pools = [pool.clone(), pool.clone()]
+    snaps = [snapshots.clone(), snapshots.clone()] if verify else [None, None]
+    triton = select_kda_backend(device, "triton")
+    with monkeypatch.context() as patch:  # the kernel alone: no separate steps
+        patch.setattr(kda_backend, "prepare", None)
+        o = triton.decode_raw(
+            conved, gates, StateSlots(pools[0], slots, context_lens, snaps[0]), metadata
+        )
+    o_ref = TorchKDABackend().decode_raw(
+        conved, gates, StateSlots(pools[1], slots, context_lens, snaps[1]), metadata
+    )
+    tolerance = dict(rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(o, o_ref, **tolerance)
+    torch.testing.assert_close(pools[0], pools[1], **tolerance)
+    untouched = [1, 3, 5]
+    assert torch.equal(pools[0][untouched], pool[untouched])
+    if verify:
+        torch.testing.assert_close(snaps[0], snaps[1], **tolerance)
 
 
 def test_triton_backend_needs_triton_on_its_device(monkeypatch):
@@ -177,5 +239,34 @@ def test_short_prefills_through_the_decode_kernels_equal_the_chunked_prefill():
     assert not backend.runs_as_decode(1, backend.max_decode_prefill_rows + 1)
     assert not backend.runs_as_decode(64, backend.max_decode_prefill_rows)
     assert backend.runs_as_decode(4096, 1)  # decode always
+    for ours, reference in zip(logits["triton"], logits["torch"]):
+        torch.testing.assert_close(ours, reference, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize("model_name", ["tiny-kimi-linear", "tiny-kimi-k3"])
+def test_decode_and_verify_through_the_fused_kernel_equal_the_torch_backend(
+    model_name,
+):
+    """The layer's decode and verify steps on the triton backend (q, k's norms and
+    the gates inside the decode kernel) give the torch backend's logits, for both
+    gate forms: a decode row of two sequences, then a verify of uneven drafts."""
+    if not triton_available("cpu"):
+        pytest.skip("triton cannot run here")
+    from tests.models.kimi_helpers import bind_caches, build_target, logits_of, work
+
+    steps = [
+        [work(range(1, 6), slot=0), work(range(3, 6), slot=1, first_block=16)],
+        [work([7], context_len=5, slot=0), work([9], context_len=3, slot=1)],
+        [
+            work([8, 2, 4], context_len=6, slot=0, num_drafts=2),
+            work([5, 6], context_len=4, slot=1, first_block=16, num_drafts=1),
+        ],
+    ]
+    logits = {}
+    for choice in ("torch", "triton"):
+        model, _ = build_target(model_name, kda_backend=choice)
+        bind_caches(model, spec_rows=3)
+        logits[choice] = [logits_of(model, step) for step in steps]
     for ours, reference in zip(logits["triton"], logits["torch"]):
         torch.testing.assert_close(ours, reference, rtol=1e-4, atol=1e-4)

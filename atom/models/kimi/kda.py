@@ -12,14 +12,16 @@ import torch
 from torch import nn
 
 from atom.distributed.parallel_state import get_tp_group
-from atom.kernels import triton_available
 from atom.model_ops.dense_product import dense_linear
-from atom.model_ops.kda import (
-    kda_forget_gate,
-    kda_output_norm_gate,
-    l2_normalize,
+from atom.model_ops.kda import kda_output_norm_gate
+from atom.model_ops.kda_backend import (
+    KDABackend,
+    KDAGates,
+    StateSlots,
+    pointwise_kernels,
+    prepare,
+    select_kda_backend,
 )
-from atom.model_ops.kda_backend import KDABackend, StateSlots, select_kda_backend
 from atom.model_ops.layernorm import RMSNorm
 from atom.model_ops.linear import (
     ColumnParallelLinear,
@@ -187,41 +189,18 @@ class KimiDeltaAttention(nn.Module):
         self._require_cache()
         if self._backend is None:
             self._backend = select_kda_backend(x.device, self.backend_choice)
-        tokens = x.shape[0]
         projected = self.in_proj(x)
         # q, k and v side by side (a view: the conv reads strided rows).
         mixed = projected[..., : 3 * self.local_width]
         f_low, *g_low = self.in_proj.split(projected)[3:]
-        low_rank = self.f_b_proj(f_low)
         # The write strength is formed in fp32: bf16 here measurably costs accuracy.
         b_logits = dense_linear(x, self._derived_weights()[1], out_dtype=torch.float32)
-        if self._pointwise_kernels(x):
-            from atom.kernels.kda_gates import kda_gates_triton
-
-            log_decay, beta = kda_gates_triton(
-                low_rank,
-                self.A_log,
-                self.dt_bias,
-                self.lower_bound,
-                b_logits,
-                self.heads,
-                self.head_dim,
-            )
-        else:
-            log_decay = kda_forget_gate(
-                low_rank.view(tokens, self.heads, self.head_dim),
-                self.A_log,
-                self.dt_bias,
-                self.lower_bound,
-            )
-            beta = torch.sigmoid(b_logits)
-        o = metadata.unpad(
-            self._recur(
-                metadata.pad(mixed), metadata.pad(log_decay), metadata.pad(beta)
-            )
+        gates = KDAGates(
+            self.f_b_proj(f_low), b_logits, self.A_log, self.dt_bias, self.lower_bound
         )
+        o = metadata.unpad(self._recur(metadata.pad(mixed), gates))
         gate = self.g_b_proj(g_low[0]) if g_low else self.g_proj(x)
-        if self._pointwise_kernels(x):
+        if pointwise_kernels(x):
             from atom.kernels.kda_head_norms import output_norm_gate
 
             y = output_norm_gate(o, self.o_norm.weight, gate, self.eps, x.dtype)
@@ -229,17 +208,9 @@ class KimiDeltaAttention(nn.Module):
             y = kda_output_norm_gate(o, self.o_norm.weight, gate, self.eps)
         return self.o_proj(y.to(x.dtype))
 
-    @staticmethod
-    def _pointwise_kernels(x: torch.Tensor) -> bool:
-        """Whether the gates and per-head norms run as Triton kernels
-        (`kernels/kda_gates.py`, `kernels/kda_head_norms.py`) rather than their
-        torch references: on CUDA, where each launch counts."""
-        return x.is_cuda and triton_available(x.device)
-
-    def _recur(
-        self, mixed: torch.Tensor, log_decay: torch.Tensor, beta: torch.Tensor
-    ) -> torch.Tensor:
-        """Conv + recurrence of all sequences at once, rows padded [B, T, ...].
+    def _recur(self, mixed: torch.Tensor, gates: KDAGates) -> torch.Tensor:
+        """Conv + recurrence of all sequences at once, rows padded [B, T, ...]
+        (the gate inputs flat, as the projections made them).
 
         Reads each sequence's states from its slot (zeros for a fresh sequence),
         writes the states after its last row back, and on a verify step also the
@@ -258,22 +229,10 @@ class KimiDeltaAttention(nn.Module):
             ssm = dataclasses.replace(ssm, snapshots=self.ssm_snapshots)
             conv = dataclasses.replace(conv, snapshots=self.conv_snapshots)
         conved = self._backend.conv(mixed, self._conv_weight(), conv, metadata)
-        v = conved[..., 2 * self.local_width :]
-        v = v.reshape(batch, rows, self.heads, self.head_dim)
-        if self._pointwise_kernels(conved):
-            from atom.kernels.kda_head_norms import l2_normalize_qk
-
-            q, k = l2_normalize_qk(conved, self.heads, self.head_dim)
-        else:
-            q, k = (
-                l2_normalize(part.reshape(batch, rows, self.heads, self.head_dim))
-                for part in conved[..., : 2 * self.local_width].chunk(2, dim=-1)
-            )
-        if decode:
-            return self._backend.decode(q, k, v, log_decay, beta, ssm)
-        o, final = self._backend.prefill(
-            q, k, v, log_decay, beta, ssm.gather(), metadata
-        )
+        if decode:  # q, k's norms and the gates may run inside the decode kernel
+            return self._backend.decode_raw(conved, gates, ssm, metadata)
+        q, k, v, g, beta = prepare(conved, gates, metadata)
+        o, final = self._backend.prefill(q, k, v, g, beta, ssm.gather(), metadata)
         ssm.scatter(final, None)
         return o
 
