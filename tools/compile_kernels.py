@@ -82,13 +82,13 @@ def _specs() -> list[KernelSpec]:
             "_align_kernel",
             dict(
                 ids_ptr="*i64",
-                order_ptr="*i32",
+                token_of_ptr="*i32",
                 position_ptr="*i32",
                 group_ends_ptr="*i32",
                 num_pairs="i32",
-                num_experts="i32",
+                pairs_per_token="i32",
             ),
-            dict(BLOCK_N=32, BLOCK_E=512),
+            dict(BLOCK_N=32),
         )
     )
     specs.append(
