@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from atom.kernels import triton_available
 from atom.model_ops.activation import GatedAct, GatedActivation
+from atom.model_ops.side_stream import Pending, joined
 
 if TYPE_CHECKING:  # the kernel module imports triton, which may be absent
     from atom.kernels.expert_gemm import TileLists
@@ -208,7 +209,7 @@ def routed_mlp(
     num_experts: int,
     gated_up: GroupedProduct,
     down: GroupedProduct,
-    addend: torch.Tensor | None = None,
+    addend: torch.Tensor | Pending | None = None,
     out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """sum_k routing_weights[:, k] * down(gated_up(x)) for expert ids[:, k] (+
@@ -218,7 +219,9 @@ def routed_mlp(
     token_of, position, group_ends = align_to_experts(expert_ids, num_experts)
     groups = ExpertGroups(group_ends)
     y = down(gated_up(x, groups, token_of), groups, None)
-    return combine_expert_rows(y, position, routing_weights, addend, out_dtype)
+    # A pending addend (the shared experts on a side stream) joins only here, so
+    # its products run under the whole routed chain.
+    return combine_expert_rows(y, position, routing_weights, joined(addend), out_dtype)
 
 
 def grouped_expert_mlp(
@@ -230,7 +233,7 @@ def grouped_expert_mlp(
     act: Callable[[torch.Tensor], torch.Tensor],
     path: ExpertPath,
     row_transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
-    addend: torch.Tensor | None = None,
+    addend: torch.Tensor | Pending | None = None,
     out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """sum_k routing_weights[:, k] * expert_{ids[:, k]}(x) (+ addend) as [N, D] in
@@ -240,7 +243,8 @@ def grouped_expert_mlp(
     w2 [E, D, I]; `act` maps [M, 2I] to [M, I]; `path` as `expert_path` chooses for
     these weights (or any path that runs on their device). `row_transform`, when
     given, maps the rows each projection reads (fp8 rounds them per token).
-    `addend` [N, D] (the shared experts' output) joins the sum before its rounding.
+    `addend` [N, D] (the shared experts' output, possibly still pending on a side
+    stream) joins the sum before its rounding.
     """
     if path == "gemv":  # plain weights only: no row transform
         from atom.kernels.expert_gemv import expert_down_sum, expert_up
@@ -248,6 +252,7 @@ def grouped_expert_mlp(
         ids = expert_ids.contiguous()
         h = act(expert_up(x.contiguous(), ids, w13))
         out = expert_down_sum(h, ids, routing_weights.contiguous(), w2)
+        addend = joined(addend)
         return (out if addend is None else out + addend.float()).to(out_dtype)
     transform = row_transform or (lambda rows: rows)
 

@@ -28,6 +28,7 @@ from atom.model_ops.grouped_experts import (
 )
 from atom.model_ops.linear import check_shape, divide, shard_of
 from atom.model_ops.quantization.mxfp4 import dequantize_mxfp4
+from atom.model_ops.side_stream import Pending, run_beside
 
 if TYPE_CHECKING:
     from atom.model_ops.quantization.methods import ExpertsMethod
@@ -185,7 +186,7 @@ class FusedExperts(nn.Module):
         x: torch.Tensor,
         weights: torch.Tensor,
         expert_ids: torch.Tensor,
-        addend: torch.Tensor | None = None,
+        addend: torch.Tensor | Pending | None = None,
         out_dtype: torch.dtype = torch.float32,
     ) -> torch.Tensor:
         """This rank's partial sum_k w_k * expert_k(x) (+ addend), [N, D] in
@@ -235,8 +236,9 @@ def expert_block_output(
     `shared` must leave its product unreduced (`GatedMLP(reduce_results=False)`):
     its partial output joins the routed partial sum in fp32 inside the combine, so
     one all-reduce serves both. At one rank the combine writes the block's output
-    itself, with no add or cast after it."""
-    addend = shared(x) if shared is not None else None
+    itself, with no add or cast after it. On a GPU the shared experts run on a
+    side stream (`side_stream.py`), under the routing and the routed products."""
+    addend = run_beside(lambda: shared(x), x.device) if shared is not None else None
     tp = get_tp_group()
     if tp.world_size == 1:
         return experts(x, weights, expert_ids, addend, x.dtype)

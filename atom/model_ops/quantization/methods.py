@@ -14,6 +14,7 @@ from torch import nn
 
 from atom.model_ops.quantization.config import PTPC_FP8
 from atom.model_ops.quantization.ptpc_fp8 import PtpcFp8Experts, PtpcFp8Linear
+from atom.model_ops.side_stream import Pending
 
 
 class LinearMethod(Protocol):
@@ -40,7 +41,7 @@ class ExpertsMethod(Protocol):
         x: torch.Tensor,
         weights: torch.Tensor,
         expert_ids: torch.Tensor,
-        addend: torch.Tensor | None,
+        addend: torch.Tensor | Pending | None,
         out_dtype: torch.dtype,
     ) -> torch.Tensor: ...
 

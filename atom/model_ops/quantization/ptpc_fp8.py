@@ -37,6 +37,7 @@ from atom.model_ops.grouped_experts import (
     grouped_expert_mlp,
     routed_mlp,
 )
+from atom.model_ops.side_stream import Pending
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
@@ -160,7 +161,7 @@ def fp8_expert_mlp(
     expert_ids: torch.Tensor,
     module: nn.Module,
     decode: bool | None = None,
-    addend: torch.Tensor | None = None,
+    addend: torch.Tensor | Pending | None = None,
     out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """The routed experts of `module` (e4m3 w13, w2 and their scales) as fp8
@@ -237,7 +238,7 @@ class PtpcFp8Experts:
         x: torch.Tensor,
         weights: torch.Tensor,
         expert_ids: torch.Tensor,
-        addend: torch.Tensor | None = None,
+        addend: torch.Tensor | Pending | None = None,
         out_dtype: torch.dtype = torch.float32,
     ) -> torch.Tensor:
         if self.kernels:
@@ -252,7 +253,7 @@ class PtpcFp8Experts:
         x: torch.Tensor,
         weights: torch.Tensor,
         expert_ids: torch.Tensor,
-        addend: torch.Tensor | None = None,
+        addend: torch.Tensor | Pending | None = None,
         out_dtype: torch.dtype = torch.float32,
     ) -> torch.Tensor:
         """Dequantize only the experts this step routes to."""
