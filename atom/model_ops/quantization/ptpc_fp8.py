@@ -195,12 +195,14 @@ def fp8_expert_mlp(
 
         return gemm
 
+    # The fp8 grouped GEMM is the Triton one: it fuses the activation as well.
+    gated_up = gated_up_product(lambda act: product("w13", act), module.act, "triton")
     return routed_mlp(
         x,
         routing_weights,
         expert_ids,
         module.w13.shape[0],
-        gated_up_product(lambda act: product("w13", act), module.act, "triton"),
+        gated_up,
         product("w2"),
         addend,
         out_dtype,
