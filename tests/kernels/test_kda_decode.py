@@ -244,13 +244,12 @@ def test_short_prefills_through_the_decode_kernels_equal_the_chunked_prefill():
 
 
 @pytest.mark.kernels
-@pytest.mark.parametrize("model_name", ["tiny-kimi-linear", "tiny-kimi-k3"])
-def test_decode_and_verify_through_the_fused_kernel_equal_the_torch_backend(
-    model_name,
-):
+def test_decode_and_verify_through_the_fused_kernel_equal_the_torch_backend():
     """The layer's decode and verify steps on the triton backend (q, k's norms and
-    the gates inside the decode kernel) give the torch backend's logits, for both
-    gate forms: a decode row of two sequences, then a verify of uneven drafts."""
+    the gates inside the decode kernel) give the torch backend's logits: a decode
+    row of two sequences, then a verify of uneven drafts. Kimi Linear's softplus
+    gate here; K3's bounded one is checked against the separate steps above (a
+    second tiny model through the interpreter cost the CPU suite 13 s)."""
     if not triton_available("cpu"):
         pytest.skip("triton cannot run here")
     from tests.models.kimi_helpers import bind_caches, build_target, logits_of, work
@@ -265,7 +264,7 @@ def test_decode_and_verify_through_the_fused_kernel_equal_the_torch_backend(
     ]
     logits = {}
     for choice in ("torch", "triton"):
-        model, _ = build_target(model_name, kda_backend=choice)
+        model, _ = build_target("tiny-kimi-linear", kda_backend=choice)
         bind_caches(model, spec_rows=3)
         logits[choice] = [logits_of(model, step) for step in steps]
     for ours, reference in zip(logits["triton"], logits["torch"]):
