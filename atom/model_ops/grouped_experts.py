@@ -252,8 +252,7 @@ def grouped_expert_mlp(
         ids = expert_ids.contiguous()
         h = act(expert_up(x.contiguous(), ids, w13))
         out = expert_down_sum(h, ids, routing_weights.contiguous(), w2)
-        addend = joined(addend)
-        return (out if addend is None else out + addend.float()).to(out_dtype)
+        return _finish_sum(out, joined(addend), out_dtype)
     transform = row_transform or (lambda rows: rows)
 
     def product(weight: torch.Tensor, fused: GatedAct | None = None) -> GroupedProduct:
@@ -294,6 +293,14 @@ def combine_expert_rows(
     num_tokens, top_k = routing_weights.shape
     per_choice = y.index_select(0, position).view(num_tokens, top_k, -1).float()
     out = (per_choice * routing_weights.float().unsqueeze(-1)).sum(dim=1)
+    return _finish_sum(out, addend, out_dtype)
+
+
+def _finish_sum(
+    out: torch.Tensor, addend: torch.Tensor | None, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """An fp32 expert sum plus `addend`, rounded once to `out_dtype`: the torch
+    form of the combine kernel's epilogue."""
     if addend is not None:
         out = out + addend.float()
     return out.to(out_dtype)

@@ -237,7 +237,8 @@ def expert_block_output(
     its partial output joins the routed partial sum in fp32 inside the combine, so
     one all-reduce serves both. At one rank the combine writes the block's output
     itself, with no add or cast after it. On a GPU the shared experts run on a
-    side stream (`side_stream.py`), under the routing and the routed products."""
+    side stream (`side_stream.py`), under the sort by expert and the routed
+    products (the router and the top-k choice ran before this call)."""
     addend = run_beside(lambda: shared(x), x.device) if shared is not None else None
     tp = get_tp_group()
     if tp.world_size == 1:

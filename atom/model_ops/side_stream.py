@@ -1,11 +1,13 @@
 """Work that runs beside the current CUDA stream and joins it where its result is read.
 
-At a small decode batch a MoE layer's routing is a chain of latency-bound kernels
-(the router product, the top-k choice, the sort by expert, the tile list) that
-leave the memory system idle for several microseconds, while the shared experts'
-two products read their weights and depend on none of it. Launched on a second
-stream, the shared experts run under the routing chain; inside a CUDA graph capture
-the fork and the join become the graph's edges, so every replay overlaps them.
+At a small decode batch a MoE layer's routed path after the top-k choice starts
+with latency-bound kernels (the sort by expert, the tile list) that leave the
+memory system idle for several microseconds, while the shared experts' two
+products read their weights and depend on none of it. Launched on a second stream
+once the experts are chosen (`routed_experts.expert_block_output`), the shared
+experts run under the sort, the tile list and the routed products; inside a CUDA
+graph capture the fork and the join become the graph's edges, so every replay
+overlaps them.
 
 The side stream is one per device, made on first use. It is used on every CUDA
 forward, eager ones included, so the graph captures' warm-up runs (eager, before
