@@ -12,6 +12,7 @@ Checkpoints store one tensor per expert and projection (`experts.{e}.w1` gate,
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -223,23 +224,30 @@ class FusedExperts(nn.Module):
         return self.path in CAPTURABLE_PATHS
 
 
+# A router's choice for a step's tokens: x [N, H] -> (weights [N, k] fp32, expert
+# ids [N, k]).
+ExpertChoice = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
 def expert_block_output(
     experts: FusedExperts,
     x: torch.Tensor,
-    weights: torch.Tensor,
-    expert_ids: torch.Tensor,
+    choose: ExpertChoice,
     shared: nn.Module | None,
 ) -> torch.Tensor:
-    """A MoE block's output in x's dtype: the routed experts' weighted sum plus the
-    shared experts' output, reduced over the TP ranks once.
+    """A MoE block's output in x's dtype: the routed experts' weighted sum for the
+    experts `choose(x)` picks, plus the shared experts' output, reduced over the TP
+    ranks once.
 
     `shared` must leave its product unreduced (`GatedMLP(reduce_results=False)`):
     its partial output joins the routed partial sum in fp32 inside the combine, so
     one all-reduce serves both. At one rank the combine writes the block's output
     itself, with no add or cast after it. On a GPU the shared experts run on a
-    side stream (`side_stream.py`), under the sort by expert and the routed
-    products (the router and the top-k choice ran before this call)."""
+    side stream (`side_stream.py`), forked before the router: their products read
+    the weights under the router's product, the top-k choice, the sort by expert
+    and the routed products, all latency-bound at a small batch."""
     addend = run_beside(lambda: shared(x), x.device) if shared is not None else None
+    weights, expert_ids = choose(x)
     tp = get_tp_group()
     if tp.world_size == 1:
         return experts(x, weights, expert_ids, addend, x.dtype)

@@ -1,13 +1,12 @@
 """Work that runs beside the current CUDA stream and joins it where its result is read.
 
-At a small decode batch a MoE layer's routed path after the top-k choice starts
-with latency-bound kernels (the sort by expert, the tile list) that leave the
-memory system idle for several microseconds, while the shared experts' two
-products read their weights and depend on none of it. Launched on a second stream
-once the experts are chosen (`routed_experts.expert_block_output`), the shared
-experts run under the sort, the tile list and the routed products; inside a CUDA
-graph capture the fork and the join become the graph's edges, so every replay
-overlaps them.
+At a small decode batch a MoE layer's routed path is a chain of latency-bound
+kernels (the router's product, the top-k choice, the sort by expert, the tile list)
+that leave the memory system idle for microseconds at a time, while the shared
+experts' two products read their weights and depend on none of it. Launched on a
+second stream before the router (`routed_experts.expert_block_output`), the shared
+experts run under that chain and the routed products; inside a CUDA graph capture
+the fork and the join become the graph's edges, so every replay overlaps them.
 
 The side stream is one per device, made on first use. It is used on every CUDA
 forward, eager ones included, so the graph captures' warm-up runs (eager, before
@@ -33,24 +32,27 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
 
 class Pending:
     """A tensor queued on a side stream; `wait` orders the current stream after the
-    work that makes it and returns it (at once where it was made inline)."""
+    work that makes it (an event recorded right after that work, so work queued on
+    the side stream later is not waited for) and returns it, at once where it was
+    made inline."""
 
-    def __init__(self, value: torch.Tensor, stream: torch.cuda.Stream | None) -> None:
+    def __init__(self, value: torch.Tensor, made: torch.cuda.Event | None) -> None:
         self._value = value
-        self._stream = stream
+        self._made = made
 
     def wait(self) -> torch.Tensor:
-        if self._stream is not None:
-            torch.cuda.current_stream(self._value.device).wait_stream(self._stream)
-            self._stream = None
+        if self._made is not None:
+            torch.cuda.current_stream(self._value.device).wait_event(self._made)
+            self._made = None
         return self._value
 
 
 def run_beside(work: Callable[[], torch.Tensor], device: torch.device) -> Pending:
     """Run `work` on `device`'s side stream after everything queued so far on the
     current stream; read its result through `Pending.wait`, before the tensors
-    `work` reads go out of scope. `work` must not communicate (no collectives):
-    only the current stream orders those.
+    `work` reads go out of scope. Every result must be waited for (a graph capture
+    fails on an unjoined fork). `work` must not communicate (no collectives): only
+    the current stream orders those.
 
     No `record_stream` is needed: the caller holds `work`'s inputs until the join,
     so the current stream reuses none of their memory while the side stream reads
@@ -61,7 +63,10 @@ def run_beside(work: Callable[[], torch.Tensor], device: torch.device) -> Pendin
     side = _side_stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
-        return Pending(work(), side)
+        value = work()
+        made = torch.cuda.Event()
+        made.record(side)
+    return Pending(value, made)
 
 
 def joined(value: torch.Tensor | Pending | None) -> torch.Tensor | None:

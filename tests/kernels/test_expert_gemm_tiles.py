@@ -109,6 +109,42 @@ def test_prefill_sized_groups_take_the_prefill_tiles_and_give_the_product(device
     torch.testing.assert_close(out.float().cpu(), expected, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.kernels
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("gated", [False, True])
+def test_decode_tiles_take_128_deep_slices_in_half_precision(device, gated):
+    """A decode-sized half-precision step (16-row tiles) walks K in 128-deep slices,
+    and K of one full slice plus a remainder still gives the product."""
+    if not triton_available(device):
+        pytest.skip("triton cannot run here")
+    from atom.kernels.expert_gemm import default_tiles, expert_gemm
+    from atom.model_ops.activation import GatedAct
+
+    dtype = half_dtype(device)
+    experts, top_k, inner, k, tokens = 4, 2, 40, 200, 3
+    tiles = default_tiles(tokens * top_k, experts, dtype, False, torch.device(device))
+    assert (tiles.block_m, tiles.block_k) == (16, 128)
+    gen = torch.Generator().manual_seed(2)
+    ids = torch.stack(
+        [torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)]
+    )
+    token_of, _, ends = align_to_experts(ids, experts)
+    x = torch.randn(tokens, k, generator=gen).to(dtype)
+    weight = (torch.randn(experts, 2 * inner, k, generator=gen) / k**0.5).to(dtype)
+    expected = grouped_reference(x, weight, token_of, ends)
+    act = GatedAct("silu", 0.0, None) if gated else None
+    if gated:
+        expected = gated_reference(expected, "silu", 0.0, None)
+    out = expert_gemm(
+        x.to(device),
+        weight.to(device),
+        ends.to(device),
+        token_of.to(device=device, dtype=torch.int32),
+        act=act,
+    )
+    torch.testing.assert_close(out.float().cpu(), expected, atol=2e-2, rtol=2e-2)
+
+
 def test_the_prefill_tiles_stage_96_kib_in_half_precision():
     """Three stages of a 128-row and a 128-column tile, 64 deep: more than a ROCm
     CU's 64 KiB, within a Hopper SM's 227 KiB."""

@@ -59,3 +59,32 @@ def test_a_captured_graph_replays_the_fork_and_the_join():
         x.copy_(torch.randn(64, 256, device="cuda", generator=gen))
         graph.replay()
         torch.testing.assert_close(out, fork_and_join(x, w), rtol=1e-5, atol=1e-4)
+
+
+def two_forks(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Two results queued in turn on the side stream, joined in turn: the first
+    join waits for the first work only, the second for the rest."""
+    first = run_beside(lambda: x @ w, x.device)
+    second = run_beside(lambda: torch.tanh(x) @ w, x.device)
+    main = first.wait() + 1
+    return main @ w + second.wait()
+
+
+@cuda
+def test_forks_join_one_by_one_eagerly_and_in_a_graph():
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    x = torch.randn(64, 256, device="cuda", generator=gen)
+    w = torch.randn(256, 256, device="cuda", generator=gen) / 16
+    expected = (x @ w + 1) @ w + torch.tanh(x) @ w
+    torch.testing.assert_close(two_forks(x, w), expected, rtol=1e-4, atol=1e-3)
+    warm = torch.cuda.Stream()
+    warm.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(warm):
+        two_forks(x, w)
+    torch.cuda.current_stream().wait_stream(warm)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = two_forks(x, w)
+    x.copy_(torch.randn(64, 256, device="cuda", generator=gen))
+    graph.replay()
+    torch.testing.assert_close(out, two_forks(x, w), rtol=1e-5, atol=1e-4)

@@ -30,6 +30,7 @@ from atom.model_ops.linear import (
     check_shape,
     shard_of,
 )
+from atom.model_ops.side_stream import Pending, run_beside
 from atom.models.interfaces import StateTensor
 from atom.models.kimi.config import KimiTextConfig
 from atom.utils.forward_context import require_metadata
@@ -189,17 +190,24 @@ class KimiDeltaAttention(nn.Module):
         self._require_cache()
         if self._backend is None:
             self._backend = select_kda_backend(x.device, self.backend_choice)
+        # The gates' small products run on a side stream (`side_stream.py`): the
+        # write strength's under in_proj's product, the forget and output gates'
+        # (which read in_proj's low-rank columns) under the conv and the recurrence.
+        # The write strength is formed in fp32: bf16 here measurably costs accuracy.
+        b_weight = self._derived_weights()[1]
+        b_logits = run_beside(
+            lambda: dense_linear(x, b_weight, out_dtype=torch.float32), x.device
+        )
         projected = self.in_proj(x)
         # q, k and v side by side (a view: the conv reads strided rows).
         mixed = projected[..., : 3 * self.local_width]
         f_low, *g_low = self.in_proj.split(projected)[3:]
-        # The write strength is formed in fp32: bf16 here measurably costs accuracy.
-        b_logits = dense_linear(x, self._derived_weights()[1], out_dtype=torch.float32)
-        gates = KDAGates(
-            self.f_b_proj(f_low), b_logits, self.A_log, self.dt_bias, self.lower_bound
+        forget = run_beside(lambda: self.f_b_proj(f_low), x.device)
+        gate = run_beside(
+            lambda: self.g_b_proj(g_low[0]) if g_low else self.g_proj(x), x.device
         )
-        o = metadata.unpad(self._recur(metadata.pad(mixed), gates))
-        gate = self.g_b_proj(g_low[0]) if g_low else self.g_proj(x)
+        o = metadata.unpad(self._recur(metadata.pad(mixed), forget, b_logits))
+        gate = gate.wait()
         if pointwise_kernels(x):
             from atom.kernels.kda_head_norms import output_norm_gate
 
@@ -208,9 +216,12 @@ class KimiDeltaAttention(nn.Module):
             y = kda_output_norm_gate(o, self.o_norm.weight, gate, self.eps)
         return self.o_proj(y.to(x.dtype))
 
-    def _recur(self, mixed: torch.Tensor, gates: KDAGates) -> torch.Tensor:
+    def _recur(
+        self, mixed: torch.Tensor, forget: Pending, b_logits: Pending
+    ) -> torch.Tensor:
         """Conv + recurrence of all sequences at once, rows padded [B, T, ...]
-        (the gate inputs flat, as the projections made them).
+        (the gate inputs flat, as the projections made them, joined once the conv
+        is queued).
 
         Reads each sequence's states from its slot (zeros for a fresh sequence),
         writes the states after its last row back, and on a verify step also the
@@ -229,6 +240,9 @@ class KimiDeltaAttention(nn.Module):
             ssm = dataclasses.replace(ssm, snapshots=self.ssm_snapshots)
             conv = dataclasses.replace(conv, snapshots=self.conv_snapshots)
         conved = self._backend.conv(mixed, self._conv_weight(), conv, metadata)
+        gates = KDAGates(
+            forget.wait(), b_logits.wait(), self.A_log, self.dt_bias, self.lower_bound
+        )
         if decode:  # q, k's norms and the gates may run inside the decode kernel
             return self._backend.decode_raw(conved, gates, ssm, metadata)
         q, k, v, g, beta = prepare(conved, gates, metadata)

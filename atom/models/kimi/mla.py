@@ -23,6 +23,7 @@ from atom.model_ops.linear import (
     RowParallelLinear,
 )
 from atom.model_ops.paged_cache import DEFAULT_KV_SCALE
+from atom.model_ops.side_stream import run_beside
 from atom.models.kimi.config import KimiTextConfig
 from atom.utils.forward_context import require_metadata
 
@@ -86,18 +87,27 @@ class KimiMLAttention(nn.Module):
             raise RuntimeError(
                 f"MLA layer {self.prefix!r} has no KV cache; bind one with CacheEngine"
             )
+        # The latent row and the output gate read only x: on a side stream
+        # (`side_stream.py`) they run under the queries' product and the attention.
+        latent = run_beside(lambda: self._latent_row(x), x.device)
+        gate = None
+        if self.use_output_gate:
+            gate = run_beside(lambda: torch.sigmoid(self.g_proj(x).float()), x.device)
         q_nope, q_pe = self._queries(x).split([self.nope_dim, self.rope_dim], dim=-1)
-        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split(
-            [self.kv_lora_rank, self.rope_dim], dim=-1
-        )
-        latent = torch.cat([self.kv_a_layernorm(c_kv), k_pe], dim=-1)
         if self._backend is None:
             self._backend = select_mla_backend(x.device, self.backend_choice)
         layer = LatentLayer(
             self.kv_cache, self.kv_scale, self.kv_b_proj.weight, self.v_dim, self.scale
         )
-        o = self._backend.forward(q_nope, q_pe, latent, layer, metadata)
+        o = self._backend.forward(q_nope, q_pe, latent.wait(), layer, metadata)
         o = o.reshape(x.shape[0], self.heads * self.v_dim)
-        if self.use_output_gate:
-            o = o * torch.sigmoid(self.g_proj(x).float())
+        if gate is not None:
+            o = o * gate.wait()
         return self.o_proj(o.to(x.dtype))
+
+    def _latent_row(self, x: torch.Tensor) -> torch.Tensor:
+        """The cache row of each token, [c_kv normalised | k_pe]."""
+        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split(
+            [self.kv_lora_rank, self.rope_dim], dim=-1
+        )
+        return torch.cat([self.kv_a_layernorm(c_kv), k_pe], dim=-1)

@@ -73,8 +73,9 @@ class KimiMoE(nn.Module):
             else None
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, expert_ids = select_experts(
+    def choose_experts(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights, expert ids) [N, k] of the tokens x [N, H]."""
+        return select_experts(
             self.gate(x),
             self.gate.e_score_correction_bias,
             self.top_k,
@@ -84,10 +85,13 @@ class KimiMoE(nn.Module):
             self.scaling,
             self.scoring,
         )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.latent:
             return expert_block_output(
-                self.experts, x, weights, expert_ids, self.shared_experts
+                self.experts, x, self.choose_experts, self.shared_experts
             )
+        weights, expert_ids = self.choose_experts(x)
         routed_in = self.routed_expert_down_proj(x)
         # Reduce before the norm: RMSNorm of a partial sum is not a partial norm.
         routed = get_tp_group().all_reduce(self.experts(routed_in, weights, expert_ids))

@@ -51,8 +51,9 @@ class MiniMaxM3MoE(nn.Module):
                 reduce_results=False,  # reduced with the routed sum
             )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, expert_ids = select_experts(
+    def choose_experts(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights, expert ids) [N, k] of the tokens x [N, H]."""
+        return select_experts(
             self.gate(x),
             self.gate.e_score_correction_bias,
             self.top_k,
@@ -60,6 +61,8 @@ class MiniMaxM3MoE(nn.Module):
             routed_scaling_factor=self.scaling,
             scoring="sigmoid",
         )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return expert_block_output(
-            self.experts, x, weights, expert_ids, self.shared_experts
+            self.experts, x, self.choose_experts, self.shared_experts
         )
