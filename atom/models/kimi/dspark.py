@@ -27,6 +27,7 @@ from atom.model_ops.linear import (
 )
 from atom.model_ops.paged_mla import latent_attention
 from atom.model_ops.rotary_embedding import RotaryEmbedding
+from atom.model_ops.side_stream import run_beside
 from atom.models.dspark_base import DraftAttention, DSparkDraft, DSparkLayer
 from atom.models.kimi.dspark_config import DSparkDraftConfig
 
@@ -100,11 +101,14 @@ class DSparkAttention(DraftAttention):
         """
         num_seqs = context_lens.shape[0]
         width = x.shape[0] // num_seqs
+        # The block's latent rows read only x: on a side stream (`side_stream.py`)
+        # their small kernels run beside the queries' chain.
+        latent = run_beside(lambda: self.latent_rows(x, positions), x.device)
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q = q.view(num_seqs, width, self.heads, self.nope_dim + self.rope_dim)
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
         q_pe = self.rotary(positions, q_pe.reshape(x.shape[0], self.heads, -1))
-        block_rows = self.read_back(self.latent_rows(x, positions))
+        block_rows = self.read_back(latent.wait())
         keys, visible = self.block_keys(
             block_rows.view(num_seqs, width, -1), block_tables, context_lens
         )
