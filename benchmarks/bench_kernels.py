@@ -39,6 +39,7 @@ from atom.model_ops.attention_backend import (
 )
 from atom.model_ops.block_sparse import IndexerConfig
 from atom.model_ops.grouped_experts import (
+    ExpertChoice,
     expert_path,
     grouped_expert_mlp,
     grouped_mm_supported,
@@ -202,22 +203,20 @@ def expert_operands(batch: int) -> tuple:
     w13 = torch.randn(EXPERTS, 2 * EXPERT_INNER, HIDDEN, device=dev, dtype=bf16) / 50
     w2 = torch.randn(EXPERTS, HIDDEN, EXPERT_INNER, device=dev, dtype=bf16) / 30
     act = get_act_and_mul("silu")
-    return x, routing, ids, w13, w2, act
+    return x, ExpertChoice(routing, ids), w13, w2, act
 
 
 def bench_experts(batch: int, iters: int) -> None:
     """The bf16 routed experts: atom's Triton grouped GEMM ("triton" path) against
     `torch._grouped_mm` (the path bf16 takes on sm90), both graph-captured; at a
     few tokens also the per-pair GEMV ("gemv") against that grouped GEMM."""
-    x, routing, ids, w13, w2, act = expert_operands(batch)
+    x, choice, w13, w2, act = expert_operands(batch)
     dims = (*w13.shape[1:], *w2.shape[1:])
     if not grouped_mm_supported(w13.device, w13.dtype, *dims):
         return
 
     def run(path: str) -> float:
-        return time_us(
-            lambda: grouped_expert_mlp(x, routing, ids, w13, w2, act, path), iters
-        )
+        return time_us(lambda: grouped_expert_mlp(x, choice, w13, w2, act, path), iters)
 
     used = min(EXPERTS, batch * TOP_K)
     moved = used * 3 * w2[0].numel() * 2
@@ -253,11 +252,11 @@ def bench_fp8(batch: int, iters: int) -> None:
     report(
         "fp8 linear", batch, ours, time_us(lambda: F.linear(x, weight), iters), moved
     )
-    x, routing, ids, w13, w2, act = expert_operands(batch)
+    x, choice, w13, w2, act = expert_operands(batch)
     path = expert_path(w13, w2)
 
     def reference():
-        return grouped_expert_mlp(x, routing, ids, w13, w2, act, path)
+        return grouped_expert_mlp(x, choice, w13, w2, act, path)
 
     experts = torch.nn.Module()
     experts.act = act
@@ -265,7 +264,7 @@ def bench_fp8(batch: int, iters: int) -> None:
         codes, scale = quantize_rows(stack)
         setattr(experts, name, codes)
         setattr(experts, f"{name}_scale", scale)
-    ours = time_us(lambda: fp8_expert_mlp(x, routing, ids, experts), iters)
+    ours = time_us(lambda: fp8_expert_mlp(x, choice, experts), iters)
     used = min(EXPERTS, batch * TOP_K)
     report(
         "fp8 experts", batch, ours, time_us(reference, iters), used * 3 * w2[0].numel()

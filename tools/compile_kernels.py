@@ -78,6 +78,39 @@ def _specs() -> list[KernelSpec]:
     ]
     specs.append(
         KernelSpec(
+            "moe_route_sort",
+            "_route_sort_kernel",
+            dict(
+                logits_ptr="*fp32",
+                bias_ptr="*fp32",
+                weights_ptr="*fp32",
+                ids_ptr="*i64",
+                token_of_ptr="*i32",
+                position_ptr="*i32",
+                group_ends_ptr="*i32",
+                tile_expert_ptr="*i32",
+                tile_row_ptr="*i32",
+                num_tokens="i32",
+                num_experts="i32",
+                stride_logits="i32",
+                routed_scaling_factor="fp32",
+                num_tiles="i32",
+            ),
+            dict(
+                routing,
+                TOP_K=8,
+                GROUPS=1,
+                PER_GROUP=32,
+                TOPK_GROUP=1,
+                BLOCK_K=8,
+                BLOCK_G=1,
+                BLOCK_M=16,
+                BLOCK_T=128,
+            ),
+        )
+    )
+    specs.append(
+        KernelSpec(
             "moe_align",
             "_align_kernel",
             dict(

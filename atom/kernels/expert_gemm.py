@@ -203,6 +203,12 @@ def _device_shared_memory(device: torch.device) -> int | None:
     return torch.cuda.get_device_properties(device).shared_memory_per_block_optin
 
 
+def decode_block_m(num_rows: int, num_experts: int) -> int:
+    """The tile height of a product below prefill size: few rows per expert
+    (decode) waste less of a small tile."""
+    return 16 if num_rows <= 4 * num_experts else 64
+
+
 def default_tiles(
     num_rows: int,
     num_experts: int,
@@ -225,9 +231,9 @@ def default_tiles(
         needed = shared_memory_bytes(tiles, dtype.itemsize, gated)
         if limit is None or needed <= limit:
             return tiles
-    # Few rows per expert (decode) waste less of a small tile; a fused
-    # activation's narrower tiles keep as many programs streaming the weights.
-    block_m = 16 if num_rows <= 4 * num_experts else 64
+    # A fused activation's narrower tiles keep as many programs streaming the
+    # weights.
+    block_m = decode_block_m(num_rows, num_experts)
     # With 16-row tiles each program's loads are mostly weight: 128-deep K slices
     # keep more of them in flight (1.07x on gate/up and 1.10x on down at one token
     # on an H100, `benchmarks/tune_expert_gemm.py`), in 60 KiB of shared memory.
@@ -249,6 +255,38 @@ def tile_bound(num_rows: int, num_experts: int, block_m: int) -> int:
 
 
 @triton.jit
+def store_tile_list(
+    starts,
+    ends,
+    real,
+    tile_expert_ptr,
+    tile_row_ptr,
+    num_tiles,
+    BLOCK_M: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    """Write the tile list of groups [starts, ends) ([BLOCK_E] blocks, `real` the
+    experts that exist): each tile's expert and first sorted row, for `num_tiles`
+    tiles (`tile_bound`)."""
+    experts = tl.arange(0, starts.shape[0])
+    tiles_of = (ends - starts + BLOCK_M - 1) // BLOCK_M
+    # Padding experts end after every tile, so no tile counts them.
+    tile_ends = tl.where(real, tl.cumsum(tiles_of, axis=0), 2147483647)
+    first_tile = tile_ends - tiles_of
+    tiles = tl.arange(0, BLOCK_T)
+    for first in range(0, num_tiles, BLOCK_T):
+        tile = first + tiles
+        # A tile's expert: the number of experts whose tiles end at or before it
+        # (the number of experts for the padding tiles past the last real one).
+        expert = tl.sum((tile_ends[None, :] <= tile[:, None]).to(tl.int32), axis=1)
+        mine = experts[None, :] == expert[:, None]
+        row = tl.sum(tl.where(mine, starts - first_tile * BLOCK_M, 0), axis=1)
+        inside = tile < num_tiles
+        tl.store(tile_expert_ptr + tile, expert, mask=inside)
+        tl.store(tile_row_ptr + tile, row + tile * BLOCK_M, mask=inside)
+
+
+@triton.jit
 def _tiles_kernel(
     group_end_ptr,
     tile_expert_ptr,
@@ -263,21 +301,9 @@ def _tiles_kernel(
     real = experts < num_experts
     ends = tl.load(group_end_ptr + experts, mask=real, other=0)
     starts = tl.load(group_end_ptr + experts - 1, mask=real & (experts > 0), other=0)
-    tiles_of = (ends - starts + BLOCK_M - 1) // BLOCK_M
-    # Padding experts end after every tile, so no tile counts them.
-    tile_ends = tl.where(real, tl.cumsum(tiles_of, axis=0), 2147483647)
-    first_tile = tile_ends - tiles_of
-    tiles = tl.arange(0, BLOCK_T)
-    for first in range(0, num_tiles, BLOCK_T):
-        tile = first + tiles
-        # A tile's expert: the number of experts whose tiles end at or before it
-        # (num_experts for the padding tiles past the last real one).
-        expert = tl.sum((tile_ends[None, :] <= tile[:, None]).to(tl.int32), axis=1)
-        mine = experts[None, :] == expert[:, None]
-        row = tl.sum(tl.where(mine, starts - first_tile * BLOCK_M, 0), axis=1)
-        inside = tile < num_tiles
-        tl.store(tile_expert_ptr + tile, expert, mask=inside)
-        tl.store(tile_row_ptr + tile, row + tile * BLOCK_M, mask=inside)
+    store_tile_list(
+        starts, ends, real, tile_expert_ptr, tile_row_ptr, num_tiles, BLOCK_M, BLOCK_T
+    )
 
 
 def expert_tiles_triton(

@@ -1,7 +1,7 @@
 """Expert selection in Triton: one program per token, the whole expert row in
 registers.
 
-The torch reference is `atom.model_ops.moe_router.select_experts`, which runs a
+The torch reference is `atom.model_ops.moe_router.select_experts_reference`, which runs a
 dozen kernels per MoE layer (scores, bias, the group scores and their mask, top-k,
 gather, sum, divide, scale). This reads the token's router logits once and writes its
 k weights and expert ids once. Selection order is the reference's: descending by the
@@ -24,11 +24,12 @@ def _first_max(values, index):
 
 
 @triton.jit
-def _select_experts_kernel(
+def select_token(
     logits_ptr,
     bias_ptr,
     weights_ptr,
     ids_ptr,
+    token,
     num_experts,
     stride_logits,
     routed_scaling_factor,
@@ -43,7 +44,7 @@ def _select_experts_kernel(
     RENORMALIZE: tl.constexpr,
     BLOCK_E: tl.constexpr,
 ):
-    token = tl.program_id(0).to(tl.int64)
+    """Write one token's k weights and expert ids (`token` an int64 scalar)."""
     experts = tl.arange(0, BLOCK_E)
     real = experts < num_experts
     logits = tl.load(
@@ -102,6 +103,75 @@ def _select_experts_kernel(
     )
 
 
+@triton.jit
+def _select_experts_kernel(
+    logits_ptr,
+    bias_ptr,
+    weights_ptr,
+    ids_ptr,
+    num_experts,
+    stride_logits,
+    routed_scaling_factor,
+    TOP_K: tl.constexpr,
+    GROUPS: tl.constexpr,
+    PER_GROUP: tl.constexpr,
+    TOPK_GROUP: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    SOFTMAX: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
+    select_token(
+        logits_ptr,
+        bias_ptr,
+        weights_ptr,
+        ids_ptr,
+        tl.program_id(0).to(tl.int64),
+        num_experts,
+        stride_logits,
+        routed_scaling_factor,
+        TOP_K,
+        GROUPS,
+        PER_GROUP,
+        TOPK_GROUP,
+        BLOCK_K,
+        BLOCK_G,
+        SOFTMAX,
+        HAS_BIAS,
+        RENORMALIZE,
+        BLOCK_E,
+    )
+
+
+def selection_constants(
+    num_experts: int,
+    top_k: int,
+    num_expert_group: int,
+    topk_group: int,
+    renormalize: bool,
+    scoring: str,
+    has_bias: bool,
+) -> dict[str, object]:
+    """`select_token`'s compile-time arguments for these routing settings."""
+    # Masking whole groups only pays when some are dropped: one group otherwise.
+    grouped = topk_group < num_expert_group
+    groups = num_expert_group if grouped else 1
+    return dict(
+        TOP_K=top_k,
+        GROUPS=groups,
+        PER_GROUP=num_experts // groups,
+        TOPK_GROUP=topk_group if grouped else 1,
+        BLOCK_K=triton.next_power_of_2(top_k),
+        BLOCK_G=triton.next_power_of_2(groups),
+        SOFTMAX=scoring == "softmax",
+        HAS_BIAS=has_bias,
+        RENORMALIZE=renormalize,
+        BLOCK_E=triton.next_power_of_2(num_experts),
+    )
+
+
 def select_experts_triton(
     router_logits: torch.Tensor,
     correction_bias: torch.Tensor | None,
@@ -112,8 +182,9 @@ def select_experts_triton(
     routed_scaling_factor: float,
     scoring: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights [T, k] fp32, expert ids [T, k] int64), as `select_experts` returns
-    them; the arguments are the reference's, already validated by it."""
+    """(weights [T, k] fp32, expert ids [T, k] int64), as
+    `moe_router.select_experts_reference` returns them, for arguments
+    `moe_router.check_routing` passed."""
     num_tokens, num_experts = router_logits.shape
     weights = torch.empty(
         num_tokens, top_k, dtype=torch.float32, device=router_logits.device
@@ -122,9 +193,6 @@ def select_experts_triton(
     if num_tokens == 0:
         return weights, ids
     logits = router_logits if router_logits.stride(-1) == 1 else router_logits.clone()
-    # Masking whole groups only pays when some are dropped: one group otherwise.
-    grouped = topk_group < num_expert_group
-    groups = num_expert_group if grouped else 1
     _select_experts_kernel[(num_tokens,)](
         logits,
         correction_bias if correction_bias is not None else logits,
@@ -133,15 +201,14 @@ def select_experts_triton(
         num_experts,
         logits.stride(0),
         routed_scaling_factor,
-        TOP_K=top_k,
-        GROUPS=groups,
-        PER_GROUP=num_experts // groups,
-        TOPK_GROUP=topk_group if grouped else 1,
-        BLOCK_K=triton.next_power_of_2(top_k),
-        BLOCK_G=triton.next_power_of_2(groups),
-        SOFTMAX=scoring == "softmax",
-        HAS_BIAS=correction_bias is not None,
-        RENORMALIZE=renormalize,
-        BLOCK_E=triton.next_power_of_2(num_experts),
+        **selection_constants(
+            num_experts,
+            top_k,
+            num_expert_group,
+            topk_group,
+            renormalize,
+            scoring,
+            correction_bias is not None,
+        ),
     )
     return weights, ids

@@ -181,6 +181,41 @@ class ExpertGroups:
     tile_lists: TileLists = field(default_factory=dict)
 
 
+@dataclass
+class SortedPairs:
+    """A step's (token, choice) pairs sorted by expert: the token of each sorted
+    row, the sorted row of each pair (`align_to_experts`) and the groups."""
+
+    token_of: torch.Tensor
+    position: torch.Tensor
+    groups: ExpertGroups
+
+
+def sort_by_expert(expert_ids: torch.Tensor, num_experts: int) -> SortedPairs:
+    """The pairs of expert_ids [T, k] sorted by expert (`align_to_experts`)."""
+    token_of, position, group_ends = align_to_experts(expert_ids, num_experts)
+    return SortedPairs(token_of, position, ExpertGroups(group_ends))
+
+
+@dataclass
+class ExpertChoice:
+    """The router's choice for a step's tokens: mixing weights [T, k] fp32 and
+    expert ids [T, k]. `sorted_pairs` holds the pairs already sorted by expert
+    where the routing kernel sorted them too (`moe_router.choose_experts`)."""
+
+    weights: torch.Tensor
+    ids: torch.Tensor
+    sorted_pairs: SortedPairs | None = None
+
+    def sorted_by_expert(self, num_experts: int) -> SortedPairs:
+        """The pairs sorted by expert: the router's sort where it made one for
+        these experts, else a sort now."""
+        made = self.sorted_pairs
+        if made is not None and made.groups.ends.numel() == num_experts:
+            return made
+        return sort_by_expert(self.ids, num_experts)
+
+
 # One projection of every routed row: (rows, groups, row_source) -> the sorted
 # rows' outputs, as `_grouped_linear` defines them.
 GroupedProduct = Callable[
@@ -204,30 +239,29 @@ def gated_up_product(
 
 def routed_mlp(
     x: torch.Tensor,
-    routing_weights: torch.Tensor,
-    expert_ids: torch.Tensor,
+    choice: ExpertChoice,
     num_experts: int,
     gated_up: GroupedProduct,
     down: GroupedProduct,
     addend: torch.Tensor | Pending | None = None,
     out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """sum_k routing_weights[:, k] * down(gated_up(x)) for expert ids[:, k] (+
+    """sum_k weights[:, k] * down(gated_up(x)) for the chosen experts ids[:, k] (+
     addend), [N, D] in `out_dtype`: the sort by expert and the combine around two
     grouped products (`gated_up` reads x through the sorted rows' tokens and gives
     the activated rows), whatever form the weights take."""
-    token_of, position, group_ends = align_to_experts(expert_ids, num_experts)
-    groups = ExpertGroups(group_ends)
-    y = down(gated_up(x, groups, token_of), groups, None)
+    pairs = choice.sorted_by_expert(num_experts)
+    y = down(gated_up(x, pairs.groups, pairs.token_of), pairs.groups, None)
     # A pending addend (the shared experts on a side stream) joins only here, so
     # its products run under the whole routed chain.
-    return combine_expert_rows(y, position, routing_weights, joined(addend), out_dtype)
+    return combine_expert_rows(
+        y, pairs.position, choice.weights, joined(addend), out_dtype
+    )
 
 
 def grouped_expert_mlp(
     x: torch.Tensor,
-    routing_weights: torch.Tensor,
-    expert_ids: torch.Tensor,
+    choice: ExpertChoice,
     w13: torch.Tensor,
     w2: torch.Tensor,
     act: Callable[[torch.Tensor], torch.Tensor],
@@ -236,10 +270,10 @@ def grouped_expert_mlp(
     addend: torch.Tensor | Pending | None = None,
     out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """sum_k routing_weights[:, k] * expert_{ids[:, k]}(x) (+ addend) as [N, D] in
-    `out_dtype`, summed in fp32.
+    """sum_k weights[:, k] * expert_{ids[:, k]}(x) (+ addend) as [N, D] in
+    `out_dtype`, summed in fp32, for the router's `choice`.
 
-    x [N, D]; routing_weights, expert_ids [N, k]; w13 [E, 2I, D] (gate rows first);
+    x [N, D]; choice's weights and ids [N, k]; w13 [E, 2I, D] (gate rows first);
     w2 [E, D, I]; `act` maps [M, 2I] to [M, I]; `path` as `expert_path` chooses for
     these weights (or any path that runs on their device). `row_transform`, when
     given, maps the rows each projection reads (fp8 rounds them per token).
@@ -249,9 +283,9 @@ def grouped_expert_mlp(
     if path == "gemv":  # plain weights only: no row transform
         from atom.kernels.expert_gemv import expert_down_sum, expert_up
 
-        ids = expert_ids.contiguous()
+        ids = choice.ids.contiguous()
         h = act(expert_up(x.contiguous(), ids, w13))
-        out = expert_down_sum(h, ids, routing_weights.contiguous(), w2)
+        out = expert_down_sum(h, ids, choice.weights.contiguous(), w2)
         return _finish_sum(out, joined(addend), out_dtype)
     transform = row_transform or (lambda rows: rows)
 
@@ -262,8 +296,7 @@ def grouped_expert_mlp(
 
     return routed_mlp(
         x,
-        routing_weights,
-        expert_ids,
+        choice,
         w13.shape[0],
         gated_up_product(lambda fused: product(w13, fused), act, path),
         product(w2),

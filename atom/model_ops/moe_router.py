@@ -8,25 +8,20 @@ does it all (`kernels/moe_routing.py`); this torch code is its reference.
 import torch
 
 from atom.kernels import triton_available
+from atom.model_ops.grouped_experts import ExpertChoice, ExpertGroups, SortedPairs
 
 _SCORINGS = ("sigmoid", "softmax")
 
 
-def select_experts(
+def check_routing(
     router_logits: torch.Tensor,
     correction_bias: torch.Tensor | None,
     top_k: int,
-    num_expert_group: int = 1,
-    topk_group: int = 1,
-    renormalize: bool = True,
-    routed_scaling_factor: float = 1.0,
-    scoring: str = "sigmoid",
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights [T, k] fp32, expert ids [T, k] int64) for router_logits [T, E].
-
-    With groups, a group's score is the sum of its two best choice scores and only
-    the best `topk_group` groups stay eligible.
-    """
+    num_expert_group: int,
+    topk_group: int,
+    scoring: str,
+) -> None:
+    """Raise ValueError naming the first routing setting these logits cannot take."""
     if router_logits.dim() != 2:
         raise ValueError(f"router_logits must be [T, E], got {router_logits.shape}")
     num_experts = router_logits.shape[1]
@@ -50,6 +45,29 @@ def select_experts(
             f"expected {num_experts}"
         )
 
+
+def choose_experts(
+    router_logits: torch.Tensor,
+    correction_bias: torch.Tensor | None,
+    top_k: int,
+    num_expert_group: int = 1,
+    topk_group: int = 1,
+    renormalize: bool = True,
+    routed_scaling_factor: float = 1.0,
+    scoring: str = "sigmoid",
+) -> ExpertChoice:
+    """The top-k choice for router_logits [T, E]: weights [T, k] fp32 and expert
+    ids [T, k] int64.
+
+    With groups, a group's score is the sum of its two best choice scores and only
+    the best `topk_group` groups stay eligible. On CUDA one program per token
+    chooses (`kernels/moe_routing.py`); a step of a few tokens
+    (`ROUTE_SORT_MAX_PAIRS` pairs) is also sorted by expert, with the grouped GEMM's
+    tile list, in the same launch (`kernels/moe_route_sort.py`).
+    """
+    check_routing(
+        router_logits, correction_bias, top_k, num_expert_group, topk_group, scoring
+    )
     args = (
         router_logits,
         correction_bias,
@@ -60,11 +78,21 @@ def select_experts(
         routed_scaling_factor,
         scoring,
     )
-    if router_logits.is_cuda and triton_available(router_logits.device):
-        from atom.kernels.moe_routing import select_experts_triton
+    if not (router_logits.is_cuda and triton_available(router_logits.device)):
+        return ExpertChoice(*select_experts_reference(*args))
+    from atom.kernels.expert_gemm import decode_block_m
+    from atom.kernels.moe_route_sort import ROUTE_SORT_MAX_PAIRS, route_and_sort_triton
+    from atom.kernels.moe_routing import select_experts_triton
 
-        return select_experts_triton(*args)
-    return select_experts_reference(*args)
+    num_pairs = router_logits.shape[0] * top_k
+    if not 0 < num_pairs <= ROUTE_SORT_MAX_PAIRS:
+        return ExpertChoice(*select_experts_triton(*args))
+    block_m = decode_block_m(num_pairs, router_logits.shape[1])
+    weights, ids, token_of, position, ends, tile_expert, tile_row = (
+        route_and_sort_triton(*args, block_m)
+    )
+    groups = ExpertGroups(ends, {block_m: (tile_expert, tile_row)})
+    return ExpertChoice(weights, ids, SortedPairs(token_of, position, groups))
 
 
 def select_experts_reference(
@@ -77,7 +105,8 @@ def select_experts_reference(
     routed_scaling_factor: float,
     scoring: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`select_experts` in torch ops, for arguments it has validated."""
+    """`choose_experts`' weights and ids in torch ops, for arguments it has
+    validated."""
     num_experts = router_logits.shape[1]
     per_group = num_experts // num_expert_group
     logits = router_logits.float()

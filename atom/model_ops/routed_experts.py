@@ -22,6 +22,7 @@ from atom.distributed.parallel_state import get_tp_group
 from atom.model_ops.dense_product import dense_linear
 from atom.model_ops.grouped_experts import (
     CAPTURABLE_PATHS,
+    ExpertChoice,
     ExpertPath,
     expert_path,
     grouped_expert_mlp,
@@ -185,22 +186,18 @@ class FusedExperts(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        weights: torch.Tensor,
-        expert_ids: torch.Tensor,
+        choice: ExpertChoice,
         addend: torch.Tensor | Pending | None = None,
         out_dtype: torch.dtype = torch.float32,
     ) -> torch.Tensor:
-        """This rank's partial sum_k w_k * expert_k(x) (+ addend), [N, D] in
-        `out_dtype`, summed in fp32 (`grouped_expert_mlp`)."""
+        """This rank's partial sum_k w_k * expert_k(x) (+ addend) over the router's
+        `choice`, [N, D] in `out_dtype`, summed in fp32 (`grouped_expert_mlp`)."""
         if self.quant_method is not None:
-            return self.quant_method.apply(
-                self, x, weights, expert_ids, addend, out_dtype
-            )
-        path = step_path(self.path, expert_ids.numel(), x.device)
+            return self.quant_method.apply(self, x, choice, addend, out_dtype)
+        path = step_path(self.path, choice.ids.numel(), x.device)
         return grouped_expert_mlp(
             x,
-            weights,
-            expert_ids,
+            choice,
             self.w13,
             self.w2,
             self.act,
@@ -224,15 +221,14 @@ class FusedExperts(nn.Module):
         return self.path in CAPTURABLE_PATHS
 
 
-# A router's choice for a step's tokens: x [N, H] -> (weights [N, k] fp32, expert
-# ids [N, k]).
-ExpertChoice = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+# A MoE block's router: the experts of each token of x [N, H].
+ExpertChooser = Callable[[torch.Tensor], ExpertChoice]
 
 
 def expert_block_output(
     experts: FusedExperts,
     x: torch.Tensor,
-    choose: ExpertChoice,
+    choose: ExpertChooser,
     shared: nn.Module | None,
 ) -> torch.Tensor:
     """A MoE block's output in x's dtype: the routed experts' weighted sum for the
@@ -247,11 +243,11 @@ def expert_block_output(
     the weights under the router's product, the top-k choice, the sort by expert
     and the routed products, all latency-bound at a small batch."""
     addend = run_beside(lambda: shared(x), x.device) if shared is not None else None
-    weights, expert_ids = choose(x)
+    choice = choose(x)
     tp = get_tp_group()
     if tp.world_size == 1:
-        return experts(x, weights, expert_ids, addend, x.dtype)
-    return tp.all_reduce(experts(x, weights, expert_ids, addend)).to(x.dtype)
+        return experts(x, choice, addend, x.dtype)
+    return tp.all_reduce(experts(x, choice, addend)).to(x.dtype)
 
 
 class RouterGate(nn.Module):

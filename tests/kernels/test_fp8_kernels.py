@@ -12,6 +12,7 @@ import torch
 
 from atom.kernels import triton_available
 from atom.model_ops.activation import get_act_and_mul
+from atom.model_ops.grouped_experts import ExpertChoice
 from atom.model_ops.quantization.ptpc_fp8 import (
     MIN_SCALE,
     PtpcFp8Experts,
@@ -133,12 +134,13 @@ def test_fp8_experts_match_the_reference(device, num_tokens):
     # Experts 4 and 5 stay unused.
     ids = torch.randint(0, 4, (num_tokens, 2), generator=gen, device=device)
     weights = torch.rand(num_tokens, 2, generator=gen, device=device)
-    expected = experts.quant_method.reference(experts, x, weights, ids)
+    choice = ExpertChoice(weights, ids)
+    expected = experts.quant_method.reference(experts, x, choice)
     # fp32 rows round to the same codes as the reference's; bf16 ones round the
     # first product before its activation is quantized again.
     tolerance = 1e-4 if dtype == torch.float32 else 3e-2
     for decode in decode_variants(device):
-        out = fp8_expert_mlp(x, weights, ids, experts, decode=decode)
+        out = fp8_expert_mlp(x, choice, experts, decode=decode)
         assert out.dtype == torch.float32
         error = (out - expected).abs().max() / expected.abs().max()
         assert error < tolerance, (decode, error.item())
@@ -154,9 +156,10 @@ def test_cuda_fp8_experts_run_the_kernels_in_a_cuda_graph():
     x = torch.randn(6, 48, device="cuda", dtype=torch.bfloat16)
     ids = torch.randint(0, 6, (6, 2), device="cuda")
     weights = torch.rand(6, 2, device="cuda")
-    eager = experts(x, weights, ids)
+    choice = ExpertChoice(weights, ids)
+    eager = experts(x, choice)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = experts(x, weights, ids)
+        captured = experts(x, choice)
     graph.replay()
     torch.testing.assert_close(captured, eager)

@@ -1,4 +1,5 @@
-"""atom/kernels/moe_routing.py against select_experts of atom/model_ops/moe_router.py."""
+"""atom/kernels/moe_routing.py against select_experts_reference of
+atom/model_ops/moe_router.py."""
 
 import pytest
 import torch

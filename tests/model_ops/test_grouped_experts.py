@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from atom.kernels import triton_available
 from atom.model_ops.grouped_experts import (
+    ExpertChoice,
     _grouped_linear,
     expert_path,
     grouped_expert_mlp,
@@ -69,7 +70,9 @@ def test_every_expert_path_equals_the_direct_sum(device, dtype, path, num_tokens
     args = [
         t.to(device) for t in (x.to(dtype), weights, ids, w13.to(dtype), w2.to(dtype))
     ]
-    out = grouped_expert_mlp(*args, silu_and_mul, path)
+    x_d, weights_d, ids_d, w13_d, w2_d = args
+    choice = ExpertChoice(weights_d, ids_d)
+    out = grouped_expert_mlp(x_d, choice, w13_d, w2_d, silu_and_mul, path)
     assert out.dtype == torch.float32
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(out.cpu().double(), expected, atol=tol, rtol=tol)
@@ -99,7 +102,7 @@ def test_both_products_of_an_expert_mlp_read_one_tile_list():
 
     up = product(w13)
     gated_up = lambda *args: silu_and_mul(up(*args))  # noqa: E731
-    out = routed_mlp(x, weights, ids, experts, gated_up, product(w2))
+    out = routed_mlp(x, ExpertChoice(weights, ids), experts, gated_up, product(w2))
     (groups_up, lists_up), (groups_down, lists_down) = seen
     assert groups_up is groups_down and len(lists_up) == 1
     ((height, tile_list),) = lists_up.items()
@@ -131,10 +134,11 @@ def test_cuda_experts_take_a_capturable_path_in_every_dtype(dtype):
     x = torch.randn(6, 64, device="cuda", dtype=dtype)
     ids = torch.randint(0, 8, (6, 2), device="cuda")
     weights = torch.rand(6, 2, device="cuda")
-    eager = grouped_expert_mlp(x, weights, ids, w13, w2, silu_and_mul, path)
+    choice = ExpertChoice(weights, ids)
+    eager = grouped_expert_mlp(x, choice, w13, w2, silu_and_mul, path)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = grouped_expert_mlp(x, weights, ids, w13, w2, silu_and_mul, path)
+        captured = grouped_expert_mlp(x, choice, w13, w2, silu_and_mul, path)
     graph.replay()
     torch.testing.assert_close(captured, eager)
 

@@ -12,6 +12,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from atom.model_ops.grouped_experts import ExpertChoice
 from atom.model_ops.quantization.config import PTPC_FP8
 from atom.model_ops.quantization.ptpc_fp8 import PtpcFp8Experts, PtpcFp8Linear
 from atom.model_ops.side_stream import Pending
@@ -39,8 +40,7 @@ class ExpertsMethod(Protocol):
         self,
         module: nn.Module,
         x: torch.Tensor,
-        weights: torch.Tensor,
-        expert_ids: torch.Tensor,
+        choice: ExpertChoice,
         addend: torch.Tensor | Pending | None,
         out_dtype: torch.dtype,
     ) -> torch.Tensor: ...

@@ -30,6 +30,7 @@ from torch import nn
 from atom.kernels import triton_available
 from atom.model_ops.activation import GatedAct
 from atom.model_ops.grouped_experts import (
+    ExpertChoice,
     ExpertGroups,
     GroupedProduct,
     expert_path,
@@ -157,8 +158,7 @@ class PtpcFp8Linear:
 
 def fp8_expert_mlp(
     x: torch.Tensor,
-    routing_weights: torch.Tensor,
-    expert_ids: torch.Tensor,
+    choice: ExpertChoice,
     module: nn.Module,
     decode: bool | None = None,
     addend: torch.Tensor | Pending | None = None,
@@ -199,8 +199,7 @@ def fp8_expert_mlp(
     gated_up = gated_up_product(lambda act: product("w13", act), module.act, "triton")
     return routed_mlp(
         x,
-        routing_weights,
-        expert_ids,
+        choice,
         module.w13.shape[0],
         gated_up,
         product("w2"),
@@ -238,28 +237,24 @@ class PtpcFp8Experts:
         self,
         module: nn.Module,
         x: torch.Tensor,
-        weights: torch.Tensor,
-        expert_ids: torch.Tensor,
+        choice: ExpertChoice,
         addend: torch.Tensor | Pending | None = None,
         out_dtype: torch.dtype = torch.float32,
     ) -> torch.Tensor:
         if self.kernels:
-            return fp8_expert_mlp(
-                x, weights, expert_ids, module, addend=addend, out_dtype=out_dtype
-            )
-        return self.reference(module, x, weights, expert_ids, addend, out_dtype)
+            return fp8_expert_mlp(x, choice, module, addend=addend, out_dtype=out_dtype)
+        return self.reference(module, x, choice, addend, out_dtype)
 
     def reference(
         self,
         module: nn.Module,
         x: torch.Tensor,
-        weights: torch.Tensor,
-        expert_ids: torch.Tensor,
+        choice: ExpertChoice,
         addend: torch.Tensor | Pending | None = None,
         out_dtype: torch.dtype = torch.float32,
     ) -> torch.Tensor:
         """Dequantize only the experts this step routes to."""
-        used = expert_ids.unique()
+        used = choice.ids.unique()
         stacks = []
         for name in ("w13", "w2"):
             codes, scale = getattr(module, name), getattr(module, f"{name}_scale")
@@ -269,8 +264,7 @@ class PtpcFp8Experts:
         w13, w2 = stacks
         return grouped_expert_mlp(
             x.float(),
-            weights,
-            expert_ids,
+            choice,
             w13,
             w2,
             module.act,

@@ -12,9 +12,10 @@ from torch import nn
 from atom.distributed.parallel_state import get_tp_group
 from atom.model_ops.activation import get_act_and_mul
 from atom.model_ops.gated_mlp import GatedMLP
+from atom.model_ops.grouped_experts import ExpertChoice
 from atom.model_ops.layernorm import RMSNorm
 from atom.model_ops.linear import ReplicatedLinear
-from atom.model_ops.moe_router import select_experts
+from atom.model_ops.moe_router import choose_experts
 from atom.model_ops.routed_experts import (
     FusedExperts,
     RouterGate,
@@ -73,9 +74,9 @@ class KimiMoE(nn.Module):
             else None
         )
 
-    def choose_experts(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights, expert ids) [N, k] of the tokens x [N, H]."""
-        return select_experts(
+    def route(self, x: torch.Tensor) -> ExpertChoice:
+        """The routed experts of the tokens x [N, H]."""
+        return choose_experts(
             self.gate(x),
             self.gate.e_score_correction_bias,
             self.top_k,
@@ -88,13 +89,11 @@ class KimiMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.latent:
-            return expert_block_output(
-                self.experts, x, self.choose_experts, self.shared_experts
-            )
-        weights, expert_ids = self.choose_experts(x)
+            return expert_block_output(self.experts, x, self.route, self.shared_experts)
+        choice = self.route(x)
         routed_in = self.routed_expert_down_proj(x)
         # Reduce before the norm: RMSNorm of a partial sum is not a partial norm.
-        routed = get_tp_group().all_reduce(self.experts(routed_in, weights, expert_ids))
+        routed = get_tp_group().all_reduce(self.experts(routed_in, choice))
         routed = routed.to(x.dtype)
         if hasattr(self, "routed_expert_norm"):
             routed = self.routed_expert_norm(routed)

@@ -13,7 +13,8 @@ from torch import nn
 
 from atom.model_ops.activation import SwigluOAIAndMul
 from atom.model_ops.gated_mlp import GatedMLP
-from atom.model_ops.moe_router import select_experts
+from atom.model_ops.grouped_experts import ExpertChoice
+from atom.model_ops.moe_router import choose_experts
 from atom.model_ops.routed_experts import (
     FusedExperts,
     RouterGate,
@@ -51,9 +52,9 @@ class MiniMaxM3MoE(nn.Module):
                 reduce_results=False,  # reduced with the routed sum
             )
 
-    def choose_experts(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights, expert ids) [N, k] of the tokens x [N, H]."""
-        return select_experts(
+    def route(self, x: torch.Tensor) -> ExpertChoice:
+        """The routed experts of the tokens x [N, H]."""
+        return choose_experts(
             self.gate(x),
             self.gate.e_score_correction_bias,
             self.top_k,
@@ -63,6 +64,4 @@ class MiniMaxM3MoE(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return expert_block_output(
-            self.experts, x, self.choose_experts, self.shared_experts
-        )
+        return expert_block_output(self.experts, x, self.route, self.shared_experts)

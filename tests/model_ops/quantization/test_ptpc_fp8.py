@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from atom.config import Config
 from atom.distributed.parallel_state import build_parallel_state
 from atom.model_ops.activation import get_act_and_mul
-from atom.model_ops.grouped_experts import grouped_expert_mlp
+from atom.model_ops.grouped_experts import ExpertChoice, grouped_expert_mlp
 from atom.model_ops.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -146,11 +146,17 @@ def test_fp8_experts_match_the_dequantized_reference():
     x = torch.randn(9, width)
     expert_ids = torch.randint(0, 4, (9, 2))  # experts 4 and 5 stay unused
     weights = torch.rand(9, 2)
-    y = experts(x, weights, expert_ids)
+    y = experts(x, ExpertChoice(weights, expert_ids))
     w13 = dequantize_rows(experts.w13, experts.w13_scale)
     w2 = dequantize_rows(experts.w2, experts.w2_scale)
     reference = grouped_expert_mlp(
-        x, weights, expert_ids, w13, w2, act, "loop", row_transform=round_trip_rows
+        x,
+        ExpertChoice(weights, expert_ids),
+        w13,
+        w2,
+        act,
+        "loop",
+        row_transform=round_trip_rows,
     )
     torch.testing.assert_close(y, reference, rtol=1e-5, atol=1e-5)
 
