@@ -9,8 +9,10 @@ every MoE layer. One program does all three here: it chooses each token's expert
 expert, places every pair at its expert's start plus the pairs of that expert in
 earlier tokens (the stable order of `grouped_experts.align_to_experts`; a token's
 k experts are distinct), and writes the tile list (`expert_gemm.store_tile_list`).
-The work is serial over tokens, so it serves steps of up to
-`ROUTE_SORT_MAX_PAIRS` (token, choice) pairs.
+The work is serial over tokens, a few memory round trips each, so it serves steps
+of up to `ROUTE_SORT_MAX_TOKENS` tokens: on an H100 it took 1.75 us a layer at one
+token of the tiny Kimi model against about 5 us for the three kernels, but 6.4 us
+at a DSpark verify's eight (`benchmarks/profile_spec_step.py`, 2026-12-07).
 """
 
 from __future__ import annotations
@@ -23,9 +25,8 @@ from atom.kernels import rows_per_chunk
 from atom.kernels.expert_gemm import store_tile_list, tile_bound
 from atom.kernels.moe_routing import select_token, selection_constants
 
-# The most (token, choice) pairs one program routes and sorts: a DSpark verify of
-# eight rows at top 8.
-ROUTE_SORT_MAX_PAIRS = 64
+# The most tokens one program routes and sorts.
+ROUTE_SORT_MAX_TOKENS = 4
 
 
 @triton.jit
@@ -121,14 +122,14 @@ def route_and_sort_triton(
     group_ends, tile_expert, tile_row), all int32 after the ids: what
     `moe_router.select_experts_reference`, `grouped_experts.align_to_experts` and
     `expert_gemm.expert_tiles` (for `block_m`-row tiles) give, for arguments
-    `moe_router.check_routing` passed and at most `ROUTE_SORT_MAX_PAIRS` pairs."""
+    `moe_router.check_routing` passed and at most `ROUTE_SORT_MAX_TOKENS` tokens."""
     num_tokens, num_experts = router_logits.shape
-    num_pairs = num_tokens * top_k
-    if num_pairs > ROUTE_SORT_MAX_PAIRS:
+    if num_tokens > ROUTE_SORT_MAX_TOKENS:
         raise ValueError(
-            f"{num_pairs} (token, choice) pairs; one program routes at most "
-            f"{ROUTE_SORT_MAX_PAIRS}"
+            f"{num_tokens} tokens; one program routes at most "
+            f"{ROUTE_SORT_MAX_TOKENS}"
         )
+    num_pairs = num_tokens * top_k
     device = router_logits.device
     weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=device)
     ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=device)

@@ -62,8 +62,8 @@ def choose_experts(
     With groups, a group's score is the sum of its two best choice scores and only
     the best `topk_group` groups stay eligible. On CUDA one program per token
     chooses (`kernels/moe_routing.py`); a step of a few tokens
-    (`ROUTE_SORT_MAX_PAIRS` pairs) is also sorted by expert, with the grouped GEMM's
-    tile list, in the same launch (`kernels/moe_route_sort.py`).
+    (`ROUTE_SORT_MAX_TOKENS`) is also sorted by expert, with the grouped GEMM's tile
+    list, in the same launch (`kernels/moe_route_sort.py`).
     """
     check_routing(
         router_logits, correction_bias, top_k, num_expert_group, topk_group, scoring
@@ -81,13 +81,13 @@ def choose_experts(
     if not (router_logits.is_cuda and triton_available(router_logits.device)):
         return ExpertChoice(*select_experts_reference(*args))
     from atom.kernels.expert_gemm import decode_block_m
-    from atom.kernels.moe_route_sort import ROUTE_SORT_MAX_PAIRS, route_and_sort_triton
+    from atom.kernels.moe_route_sort import ROUTE_SORT_MAX_TOKENS, route_and_sort_triton
     from atom.kernels.moe_routing import select_experts_triton
 
-    num_pairs = router_logits.shape[0] * top_k
-    if not 0 < num_pairs <= ROUTE_SORT_MAX_PAIRS:
+    num_tokens, num_experts = router_logits.shape
+    if not 0 < num_tokens <= ROUTE_SORT_MAX_TOKENS:
         return ExpertChoice(*select_experts_triton(*args))
-    block_m = decode_block_m(num_pairs, router_logits.shape[1])
+    block_m = decode_block_m(num_tokens * top_k, num_experts)
     weights, ids, token_of, position, ends, tile_expert, tile_row = (
         route_and_sort_triton(*args, block_m)
     )

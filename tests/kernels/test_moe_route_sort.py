@@ -9,13 +9,13 @@ from atom.model_ops.grouped_experts import align_to_experts
 from atom.model_ops.moe_router import select_experts_reference
 from tests.kernels.devices import DEVICES
 
-# (tokens, top_k, experts, groups, kept groups, scoring): a decode token, a DSpark
-# verify of eight rows, experts off a power of two, grouped selection, softmax.
+# (tokens, top_k, experts, groups, kept groups, scoring): a decode token, the most
+# tokens it takes, experts off a power of two, grouped selection, softmax.
 CASES = [
     (1, 8, 32, 1, 1, "sigmoid"),
-    (8, 8, 32, 1, 1, "sigmoid"),
+    (4, 8, 32, 1, 1, "sigmoid"),
     (3, 4, 24, 1, 1, "sigmoid"),
-    (5, 6, 64, 8, 4, "sigmoid"),
+    (3, 6, 64, 8, 4, "sigmoid"),
     (2, 2, 16, 1, 1, "softmax"),
 ]
 
@@ -56,19 +56,18 @@ def test_route_and_sort_equals_the_references(
 def test_a_step_past_the_bound_is_refused():
     if not triton_available("cpu"):
         pytest.skip("triton cannot run here")
-    from atom.kernels.moe_route_sort import ROUTE_SORT_MAX_PAIRS, route_and_sort_triton
+    from atom.kernels.moe_route_sort import ROUTE_SORT_MAX_TOKENS, route_and_sort_triton
 
-    logits = torch.zeros(ROUTE_SORT_MAX_PAIRS // 8 + 1, 32)
-    with pytest.raises(ValueError, match="pairs"):
+    logits = torch.zeros(ROUTE_SORT_MAX_TOKENS + 1, 32)
+    with pytest.raises(ValueError, match="tokens"):
         route_and_sort_triton(logits, None, 8, 1, 1, True, 1.0, "sigmoid", 16)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("tokens", [1, 8, 9])
+@pytest.mark.parametrize("tokens", [1, 4, 5])
 def test_the_routers_sort_serves_the_experts_as_a_fresh_sort_does(tokens):
-    """On CUDA `choose_experts` sorts a step of up to 64 pairs in its launch (9
-    tokens of top 8 take the separate kernels); the experts' output is the same
-    either way."""
+    """On CUDA `choose_experts` sorts a step of up to 4 tokens in its launch (5
+    take the separate kernels); the experts' output is the same either way."""
     from atom.model_ops.activation import get_act_and_mul
     from atom.model_ops.grouped_experts import ExpertChoice, grouped_expert_mlp
     from atom.model_ops.moe_router import choose_experts
@@ -77,7 +76,7 @@ def test_the_routers_sort_serves_the_experts_as_a_fresh_sort_does(tokens):
     experts, hidden, inner = 32, 64, 48
     logits = torch.randn(tokens, experts, device="cuda", generator=gen)
     choice = choose_experts(logits, None, top_k=8)
-    assert (choice.sorted_pairs is not None) == (tokens * 8 <= 64)
+    assert (choice.sorted_pairs is not None) == (tokens <= 4)
     x = torch.randn(tokens, hidden, device="cuda", generator=gen)
     w13 = torch.randn(experts, 2 * inner, hidden, device="cuda", generator=gen) / 8
     w2 = torch.randn(experts, hidden, inner, device="cuda", generator=gen) / 7
