@@ -107,7 +107,7 @@ class ExpertBalancer:
 
     def _counter(self, index: int):
         def count(module: nn.Module, args: tuple) -> None:
-            expert_ids = args[2]
+            expert_ids = args[1].ids  # FusedExperts.forward(x, choice, ...)
             counts = torch.bincount(expert_ids.flatten(), minlength=module.num_experts)
             self.loads[index] += counts.cpu().float()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from atom.model_ops.grouped_experts import ExpertChoice
 from tools.prefill import load_model
 from tools.train_target import (
     ExpertBalancer,
@@ -72,7 +73,7 @@ def test_balancer_lowers_the_bias_of_busy_experts():
     moe = balancer.moes[0]
     before = moe.gate.e_score_correction_bias.clone()
     busy = torch.zeros(5, 2, dtype=torch.long)  # every token picks expert 0
-    moe.experts(torch.zeros(5, 128), torch.ones(5, 2), busy)
+    moe.experts(torch.zeros(5, 128), ExpertChoice(torch.ones(5, 2), busy))
     assert balancer.step() == 8.0  # max / mean load
     change = moe.gate.e_score_correction_bias - before
     assert change[0] < 0 and (change[1:] > 0).all()
