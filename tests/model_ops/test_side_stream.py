@@ -40,6 +40,20 @@ def test_the_side_stream_joins_before_its_result_is_read():
     torch.testing.assert_close(fork_and_join(x, w), expected, rtol=1e-4, atol=1e-3)
 
 
+def captured(forward, *args: torch.Tensor):
+    """(graph, output) of `forward(*args)` captured after an eager warm-up run on a
+    stream of its own, as the engine captures its forwards."""
+    warm = torch.cuda.Stream()
+    warm.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(warm):
+        forward(*args)
+    torch.cuda.current_stream().wait_stream(warm)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = forward(*args)
+    return graph, out
+
+
 @cuda
 def test_a_captured_graph_replays_the_fork_and_the_join():
     """The fork and the join are the graph's edges: a replay over new inputs gives
@@ -47,14 +61,7 @@ def test_a_captured_graph_replays_the_fork_and_the_join():
     gen = torch.Generator(device="cuda").manual_seed(1)
     x = torch.randn(64, 256, device="cuda", generator=gen)
     w = torch.randn(256, 256, device="cuda", generator=gen)
-    warm = torch.cuda.Stream()
-    warm.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(warm):
-        fork_and_join(x, w)
-    torch.cuda.current_stream().wait_stream(warm)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fork_and_join(x, w)
+    graph, out = captured(fork_and_join, x, w)
     for _ in range(3):
         x.copy_(torch.randn(64, 256, device="cuda", generator=gen))
         graph.replay()
@@ -77,14 +84,7 @@ def test_forks_join_one_by_one_eagerly_and_in_a_graph():
     w = torch.randn(256, 256, device="cuda", generator=gen) / 16
     expected = (x @ w + 1) @ w + torch.tanh(x) @ w
     torch.testing.assert_close(two_forks(x, w), expected, rtol=1e-4, atol=1e-3)
-    warm = torch.cuda.Stream()
-    warm.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(warm):
-        two_forks(x, w)
-    torch.cuda.current_stream().wait_stream(warm)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = two_forks(x, w)
+    graph, out = captured(two_forks, x, w)
     x.copy_(torch.randn(64, 256, device="cuda", generator=gen))
     graph.replay()
     torch.testing.assert_close(out, two_forks(x, w), rtol=1e-5, atol=1e-4)
