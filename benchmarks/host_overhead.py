@@ -13,11 +13,17 @@ phase of a decode step with `time.perf_counter` around the engine's own function
     output     OutputProcessor / engine output (detokenize, stop strings)
     engine     the rest of LLMEngine.step
 
-Everything but `forward` and `logits` (and the kernels inside `sample`) is the
-work a GPU does not hide; at batch 1 on an H200 it is about half of a decode step
+With `--draft-model` (DSpark) a step is a verify and a draft, and two more phases
+are device work on a GPU, where graphs replay them:
+
+    draft      the drafter's block pass and its Markov head (`propose`)
+    context    the draft's context rows written from the taps
+
+Everything but `forward` and `logits` (and `draft`, `context`, and the kernels
+inside `sample`) is the work a GPU does not hide; at batch 1 on an H200 it is about half of a decode step
 (`benchmarks/profile_decode.py`). The timers wrap attributes of this engine's
 objects only, so the engine itself carries no timing code. Each figure is the
-minimum over `--repeats` runs. `--no-forward` makes the forward return zeros: a CPU
+minimum over `--repeats` runs. `--no-forward` makes the forward (and the draft) return zeros: a CPU
 forward evicts the host's caches, so the phases after it run cold, while on a GPU
 they run warm. It also times the step buffer a graph replay builds (tables at the
 graph's fixed width, `--replay-table-width`). `--cprofile N` prints the N functions with the most own time in
@@ -25,6 +31,8 @@ steps without a forward.
 
     python benchmarks/host_overhead.py --batch-sizes 1,32 --steps 64 --no-forward
     python benchmarks/host_overhead.py --batch-sizes 128 --input-len 256 --no-forward
+    python benchmarks/host_overhead.py --batch-sizes 1 --no-forward \
+        --draft-model tiny-kimi-k3-dspark
 """
 
 from __future__ import annotations
@@ -46,6 +54,7 @@ from atom import LLMEngine, SamplingParams
 from atom.model_engine import model_runner as model_runner_module
 from atom.model_engine.batch import SeqWork
 from atom.model_engine.model_inputs import SeqPadding, build_step
+from atom.spec_decode.draft_output import DraftOutput
 
 PHASES = (
     "schedule",
@@ -56,8 +65,10 @@ PHASES = (
     "runner",
     "post",
     "output",
+    "draft",
+    "context",
 )
-DEVICE_PHASES = ("forward", "logits")
+DEVICE_PHASES = ("forward", "logits", "draft", "context")
 
 
 class PhaseTimer:
@@ -101,6 +112,12 @@ def instrument(engine: LLMEngine, timer: PhaseTimer) -> None:
     runner.model.forward = timer.wrap("forward", runner.model.forward)
     runner.model.compute_logits = timer.wrap("logits", runner.model.compute_logits)
     engine._output_of = timer.wrap("output", engine._output_of)
+    drafter = runner.drafter
+    if drafter is not None:
+        drafter.propose = timer.wrap("draft", drafter.propose)
+        drafter.precompute_context_kv = timer.wrap(
+            "context", drafter.precompute_context_kv
+        )
     inputs = model_runner_module.prepare_inputs
     model_runner_module.prepare_inputs = timer.wrap("inputs", inputs)
 
@@ -183,17 +200,18 @@ def report(batch: int, runs: list[dict[str, float]]) -> None:
     cells = "  ".join(
         f"{p} {best[p]:.1f}" for p in (*PHASES, "engine") if p not in DEVICE_PHASES
     )
+    device = " + ".join(f"{p} {best[p]:.1f}" for p in DEVICE_PHASES if best[p])
     print(
-        f"batch {batch:3d}: step {best['step']:8.1f} us, forward {best['forward']:.1f}"
-        f" + logits {best['logits']:.1f} us, host {best['host']:7.1f} us/step "
-        f"| {cells}"
+        f"batch {batch:3d}: step {best['step']:8.1f} us, {device} us, "
+        f"host {best['host']:7.1f} us/step | {cells}"
     )
 
 
 @contextlib.contextmanager
 def without_forward(engine: LLMEngine):
     """The model's forward returns zeros at once (the tokens are garbage, which
-    `ignore_eos` makes harmless)."""
+    `ignore_eos` makes harmless); a drafter proposes zeros and writes no context
+    rows."""
     runner = engine.workers.runner
     hidden = int(engine.config.hf_config.text["hidden_size"])
     forward = runner.model.forward
@@ -202,10 +220,21 @@ def without_forward(engine: LLMEngine):
         return torch.zeros(input_ids.shape[0], hidden, dtype=runner.dtype)
 
     runner.model.forward = no_forward
+    drafter = runner.drafter
+    if drafter is not None:
+        width = drafter.num_speculative_tokens
+
+        def no_draft(anchor_ids, anchor_positions, block_tables, sampling):
+            return DraftOutput(anchor_ids.new_zeros(anchor_ids.shape[0], width), None)
+
+        drafter.propose = no_draft
+        drafter.precompute_context_kv = lambda *args: None
     try:
         yield
     finally:
         runner.model.forward = forward
+        if drafter is not None:  # back to the class's methods
+            del drafter.propose, drafter.precompute_context_kv
 
 
 def profile_host(
@@ -280,16 +309,31 @@ def main() -> None:
         action="store_true",
         help="requests stream (an output each step), as a server's do",
     )
+    parser.add_argument(
+        "--draft-model",
+        default=None,
+        help="DSpark's draft (e.g. tiny-kimi-k3-dspark): a step verifies and drafts",
+    )
+    parser.add_argument("--num-speculative-tokens", type=int, default=7)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     batches = [int(b) for b in args.batch_sizes.split(",")]
     torch.manual_seed(args.seed)
+    speculation = {}
+    if args.draft_model:
+        speculation = dict(
+            method="dspark",
+            draft_model=args.draft_model,
+            num_speculative_tokens=args.num_speculative_tokens,
+        )
     engine = LLMEngine(
         args.model,
         device="cpu",
         max_num_seqs=max(batches),
-        max_model_len=args.input_len + 48 + args.steps,
+        # Room for a verify's drafts past the last output token.
+        max_model_len=args.input_len + 48 + args.steps + args.num_speculative_tokens,
         max_num_batched_tokens=max(256, args.input_len * max(batches)),
+        **speculation,
     )
     timer = PhaseTimer()
     with contextlib.ExitStack() as stack:
