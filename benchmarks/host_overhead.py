@@ -223,6 +223,7 @@ def without_forward(engine: LLMEngine):
     drafter = runner.drafter
     if drafter is not None:
         width = drafter.num_speculative_tokens
+        propose, write_context = drafter.propose, drafter.precompute_context_kv
 
         def no_draft(anchor_ids, anchor_positions, block_tables, sampling):
             return DraftOutput(anchor_ids.new_zeros(anchor_ids.shape[0], width), None)
@@ -233,8 +234,8 @@ def without_forward(engine: LLMEngine):
         yield
     finally:
         runner.model.forward = forward
-        if drafter is not None:  # back to the class's methods
-            del drafter.propose, drafter.precompute_context_kv
+        if drafter is not None:
+            drafter.propose, drafter.precompute_context_kv = propose, write_context
 
 
 def profile_host(
