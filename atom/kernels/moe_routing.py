@@ -1,9 +1,9 @@
 """Expert selection in Triton: one program per token, the whole expert row in
 registers.
 
-The torch reference is `atom.model_ops.moe_router.select_experts_reference`, which runs a
-dozen kernels per MoE layer (scores, bias, the group scores and their mask, top-k,
-gather, sum, divide, scale). This reads the token's router logits once and writes its
+The torch reference is `atom.model_ops.moe_router.select_experts_reference`, which
+runs a dozen kernels per MoE layer (scores, bias, the group scores and their mask,
+top-k, gather, sum, divide, scale). This reads the token's router logits once and writes its
 k weights and expert ids once. Selection order is the reference's: descending by the
 biased score, the lower expert id first among equals.
 """

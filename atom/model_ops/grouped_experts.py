@@ -208,11 +208,10 @@ class ExpertChoice:
     sorted_pairs: SortedPairs | None = None
 
     def sorted_by_expert(self, num_experts: int) -> SortedPairs:
-        """The pairs sorted by expert: the router's sort where it made one for
-        these experts, else a sort now."""
-        made = self.sorted_pairs
-        if made is not None and made.groups.ends.numel() == num_experts:
-            return made
+        """The pairs sorted by expert: the router's sort where it made one, else a
+        sort now."""
+        if self.sorted_pairs is not None:
+            return self.sorted_pairs
         return sort_by_expert(self.ids, num_experts)
 
 

@@ -203,11 +203,11 @@ class KimiDeltaAttention(nn.Module):
         mixed = projected[..., : 3 * self.local_width]
         f_low, *g_low = self.in_proj.split(projected)[3:]
         forget = run_beside(lambda: self.f_b_proj(f_low), x.device)
-        gate = run_beside(
+        output_gate = run_beside(
             lambda: self.g_b_proj(g_low[0]) if g_low else self.g_proj(x), x.device
         )
         o = metadata.unpad(self._recur(metadata.pad(mixed), forget, b_logits))
-        gate = gate.wait()
+        gate = output_gate.wait()
         if pointwise_kernels(x):
             from atom.kernels.kda_head_norms import output_norm_gate
 
