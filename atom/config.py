@@ -359,18 +359,16 @@ class Config(EngineSettings):
         self._validate_parallel(text)
 
     def _resolve_async_scheduling(self) -> None:
-        """Async scheduling fills a step's inputs from the previous step's tokens on
-        the same device, and keeps one draft-free step ahead. Asked for, it refuses
-        a setting it cannot run with; left at None, it runs wherever it can on a
-        GPU."""
+        """Async scheduling fills a step's inputs (and, with speculation, its
+        positions after the previous verify) from the previous step's tokens on the
+        same device, and keeps one step ahead. Asked for, it refuses a setting it
+        cannot run with; left at None, it runs wherever it can on a GPU."""
         conflicts = []
         if self.parallel_config.world_size > 1:
             conflicts.append(
                 f"tensor_parallel_size={self.tensor_parallel_size} and "
                 f"pipeline_parallel_size={self.pipeline_parallel_size} (it needs 1 and 1)"
             )
-        if self.speculative_config is not None:
-            conflicts.append(f"speculative method {self.method!r}")
         if self.kv_transfer is not None:
             conflicts.append(f"kv_role {self.kv_role!r} (P/D)")
         if self.async_scheduling is None:

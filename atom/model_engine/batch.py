@@ -89,9 +89,15 @@ class SeqWork:
     state_fork_src: int | None = None
     # Copy the KDA state of state_slot into this checkpoint slot AFTER the forward.
     state_save_dst: int | None = None
-    # Async scheduling (run_ahead.py): token_ids[0] is a placeholder for the token
-    # the previous batch samples for this sequence; the runner fills it in.
+    # Async scheduling (run_ahead.py): token_ids are placeholders for what the
+    # previous batch samples for this sequence, its last emitted token and the
+    # drafts proposed after it; the runner fills them in on the device.
     input_pending: bool = False
+    # With input_pending: the drafts the previous batch verified for this
+    # sequence, whose acceptance was unknown here. context_len counts them all as
+    # accepted; the runner takes the rejected ones back on the device (positions,
+    # slots, context lengths) and commits the state of the last accepted row.
+    unconfirmed_drafts: int = 0
 
     @property
     def num_rows(self) -> int:
@@ -193,7 +199,8 @@ def _choice_problem(
         return f"{accepted} accepted drafts of {len(verified)} verified"
     if len(tokens) != accepted + 1:
         return f"{len(tokens)} emitted tokens for {accepted} accepted drafts"
-    if tokens[:accepted] != verified[:accepted]:
+    # Pending rows were filled on the device: the host never saw those drafts.
+    if not work.input_pending and tokens[:accepted] != verified[:accepted]:
         return (
             f"accepted tokens {tokens[:accepted]} differ from the drafts "
             f"{verified[:accepted]}"

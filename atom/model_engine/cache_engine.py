@@ -140,11 +140,14 @@ class CacheEngine:
                 f"commit of {bad} rows outside [1, {self.num_verify_rows}] "
                 "(the snapshot rows bound)"
             )
-        slot_index = self._slot_tensor(slots)
-        row_index = self._slot_tensor(num_rows) - 1
+        self.commit_rows(self._slot_tensor(slots), self._slot_tensor(num_rows) - 1)
+
+    def commit_rows(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        """`commit` with device indices: each slot's state becomes its snapshot
+        `rows` (0-based), as async scheduling commits before the host knows them."""
         for states, snapshots in zip(self.states, self.snapshots):
             for name, state in states.items():
-                state.index_copy_(0, slot_index, snapshots[name][slot_index, row_index])
+                state.index_copy_(0, slots, snapshots[name][slots, rows])
 
     def kv_bytes_per_block(self) -> int:
         return sum(

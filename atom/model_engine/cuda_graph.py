@@ -59,7 +59,6 @@ class _Capture:
     # The static buffer every input of the capture is a view of, and its layout.
     packed: torch.Tensor
     layout: StepLayout
-    input_ids: torch.Tensor
     slot_mapping: torch.Tensor
     positions: torch.Tensor
     output: torch.Tensor | IntermediateTensors
@@ -159,9 +158,7 @@ class DecodeGraphs:
         if captured is None:
             return None
         graph, output = captured
-        return _Capture(
-            graph, packed, layout, ids, metadata.slot_mapping, positions, output
-        )
+        return _Capture(graph, packed, layout, metadata.slot_mapping, positions, output)
 
     def size_for(self, works: list[SeqWork]) -> tuple[int, int] | None:
         """The capture that runs this batch, or None (run it eagerly).
@@ -193,7 +190,7 @@ class DecodeGraphs:
     ) -> tuple[torch.Tensor | IntermediateTensors, torch.Tensor, torch.Tensor]:
         """Replay the capture `key` for `works`: (output rows, positions and slot
         mapping of the real sequences' rows, which come first). `fill` writes the
-        pending inputs (pending_tokens.py) into the static input ids first."""
+        pending rows (pending_tokens.py) into the static buffer first."""
         size, query_len = key
         capture = self.captures[key]
         packed, layout = build_step(
@@ -206,7 +203,7 @@ class DecodeGraphs:
         # Pinned, so the copy does not hold the host (model_inputs.to_device).
         capture.packed.copy_(packed.pin_memory(), non_blocking=True)
         if fill is not None:
-            fill(capture.input_ids)
+            fill(capture.packed, capture.layout)
         num_rows = len(works) * query_len
         if intermediate is not None:
             static = self._payload(num_rows)

@@ -9,6 +9,7 @@ the same layout and replays after one `copy_` of the new step's buffer.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -150,6 +151,7 @@ def build_step(
         slots[num_real_rows:] = padding.kv_slot
     offsets = np.arange(max_query_len)
     named = {
+        # First, so input_ids_of finds it without splitting the buffer.
         "input_ids": np.array(token_ids, dtype=long),
         "positions": positions,
         "query_start_loc": starts,
@@ -206,17 +208,28 @@ def view_step(
     return views["input_ids"], views["positions"], metadata
 
 
+def input_ids_of(packed: torch.Tensor, layout: StepLayout) -> torch.Tensor:
+    """The input ids of a packed buffer: its first field, without the other views
+    (async scheduling writes them every step)."""
+    return packed[: layout.num_tokens]
+
+
 def prepare_inputs(
     works: list[SeqWork],
     block_size: int,
     device: torch.device | str,
     table_width: int | None = None,
     padding: SeqPadding | None = None,
+    fill: Callable[[torch.Tensor, StepLayout], None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     """(input_ids [N], positions [N], metadata) with sequences as consecutive rows,
-    on `device` after one host-to-device copy."""
+    on `device` after one host-to-device copy; `fill` then writes the rows still
+    pending there (pending_tokens.py)."""
     packed, layout = build_step(works, block_size, table_width, padding)
-    return view_step(to_device(packed, device), layout)
+    packed = to_device(packed, device)
+    if fill is not None:
+        fill(packed, layout)
+    return view_step(packed, layout)
 
 
 def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:

@@ -14,6 +14,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -31,8 +32,9 @@ from atom.model_engine.memory_profile import kv_budget_bytes
 from atom.model_engine.model_inputs import prepare_inputs
 from atom.model_engine.pending_tokens import (
     InputFiller,
+    PendingRows,
     SampledTokens,
-    pending_input_filler,
+    pending_rows,
 )
 from atom.model_engine.step_sampler import SampledStep, StepSampler
 from atom.model_loader.build import building_on, load_target
@@ -283,7 +285,12 @@ class ModelRunner:
             payload = recv_tensor_dict(self.device, self._expected_keys(), into)
             taps_in = payload.pop(AUX_KEY, None)
             received = IntermediateTensors(payload)
-        fill = pending_input_filler(batch, self.sampled, self.device)
+        pending = pending_rows(
+            batch, self.sampled, self.limits.block_size, self.device
+        )
+        fill = None
+        if pending is not None:
+            fill = partial(pending.fill, commit=self.cache.commit_rows)
         out, positions, slot_mapping = self._forward(
             batch.work, received, graph_key, fill
         )
@@ -304,7 +311,7 @@ class ModelRunner:
             graph_key is not None and self.graphs.after_forward is not None
         )
         return self._sample_and_draft(
-            batch, out, positions, slot_mapping, taps_in, context_written
+            batch, out, positions, slot_mapping, taps_in, context_written, pending
         )
 
     def _forward(
@@ -320,10 +327,8 @@ class ModelRunner:
         if graph_key is not None:
             return self.graphs.run(graph_key, works, received, fill)
         input_ids, positions, metadata = prepare_inputs(
-            works, self.limits.block_size, self.device
+            works, self.limits.block_size, self.device, fill=fill
         )
-        if fill is not None:
-            fill(input_ids)
         with set_forward_context(ForwardContext(metadata)):
             out = self.model(input_ids, positions, received)
         return out, positions, metadata.slot_mapping
@@ -344,10 +349,12 @@ class ModelRunner:
         slot_mapping: torch.Tensor,
         taps_in: torch.Tensor | None,
         context_written: bool,
+        pending: PendingRows | None = None,
     ) -> LaunchedStep | None:
         """Last stage: write the draft's context for this forward's rows (unless
         the replayed graph did); when the batch samples, launch the choice of each
-        sampled sequence's tokens and next drafts."""
+        sampled sequence's tokens and next drafts (`pending`: the rows async
+        scheduling left to the device)."""
         num_tokens = positions.numel()
         if self.drafter is not None and not context_written:
             relayed = None
@@ -368,9 +375,11 @@ class ModelRunner:
             previous=self.last_sampling,
         )
         self.last_sampling = sampling
+        if pending is not None:
+            pending.fix_sampling(sampling)
         logits = self.model.compute_logits(hidden[sampling.logit_rows])
         sampled = self.step_sampler.launch(logits, sampling)
-        self.sampled = SampledTokens(batch, sampled.emitted)
+        self.sampled = SampledTokens(batch, sampled.next_inputs, sampled.accepted)
         return LaunchedStep(batch, sampled)
 
     def finish(self, launched: LaunchedStep) -> BatchOutput:

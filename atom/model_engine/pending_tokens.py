@@ -1,10 +1,12 @@
 """The last batch's sampled tokens, kept on the device for the batch after it.
 
 Async scheduling (`run_ahead.py`) schedules a decoding sequence again before its
-sampled token reaches the host. Its row's input is a placeholder, which the filler
-overwrites on the device from the previous batch's tokens after the step's inputs
-are copied there and before the forward (or the graph replay) reads them. The
-device stream orders that read after the sampling that wrote the tokens.
+sampled tokens reach the host. Its rows' inputs are placeholders and, after a
+verify, its context counts every unconfirmed draft as accepted. `PendingRows` puts
+both right on the device from the previous batch's tokens and acceptance: on the
+step buffer after it is copied there and before the forward (or the graph replay)
+reads it, and on the step's SamplingMetadata before the sampler reads it. The device
+stream orders all of it after the sampling that wrote those tokens.
 """
 
 from __future__ import annotations
@@ -15,31 +17,118 @@ from dataclasses import dataclass
 import torch
 
 from atom.model_engine.batch import ScheduledBatch
-from atom.model_ops.host_copy import host_to_device
+from atom.model_engine.model_inputs import StepLayout, input_ids_of, view_step
+from atom.model_ops.host_copy import hosts_to_device
+from atom.model_ops.sampling_metadata import SamplingMetadata
 
-InputFiller = Callable[[torch.Tensor], None]
+# Writes a step's pending rows into its packed buffer on the device.
+InputFiller = Callable[[torch.Tensor, StepLayout], None]
+# Commits recurrent states on the device: (state slots [C], snapshot rows [C]).
+CommitRows = Callable[[torch.Tensor, torch.Tensor], None]
+# A slice for pending works that lead the batch in the previous batch's order, else
+# a device index tensor.
+Selection = slice | torch.Tensor
 
 
 @dataclass(frozen=True)
 class SampledTokens:
-    """The tokens one batch sampled, on the device: the step sampler's emitted
-    tokens [S, W], one row per sampled sequence in batch order, whose first column
-    is that sequence's next input (async scheduling runs without drafts). Kept as
-    given: only a batch with pending inputs looks its rows up."""
+    """What one batch sampled, on the device, one row per sampled sequence in batch
+    order. Kept as given: only a batch with pending rows looks them up."""
 
     batch: ScheduledBatch
-    emitted: torch.Tensor
+    # [S, 1 + T] long: each sequence's next input rows, its last emitted token and
+    # the T drafts proposed after it (T = 0 without a drafter).
+    next_inputs: torch.Tensor
+    # [S] long: the drafts each sequence kept (zeros without drafts).
+    accepted: torch.Tensor
 
 
-def pending_input_filler(
-    batch: ScheduledBatch, previous: SampledTokens | None, device: torch.device
-) -> InputFiller | None:
-    """What writes the pending inputs of `batch` into its input ids on the device;
-    None when it has none."""
-    targets, sources = [], []
+@dataclass(frozen=True)
+class _Selections:
+    """Where the pending works sit: their batch rows (= sampled rows: a decode
+    batch samples every work), their token rows, the previous batch's rows they
+    take from; and the works whose state is committed, with their sources."""
+
+    works: Selection
+    tokens: Selection
+    sources: Selection
+    committed: Selection
+    committed_sources: Selection
+
+
+class PendingRows:
+    """A batch's pending rows and how to put them right on the device."""
+
+    def __init__(
+        self,
+        previous: SampledTokens,
+        selections: _Selections,
+        num_works: int,
+        num_rows: int,
+        unconfirmed: int | torch.Tensor | None,
+        block_size: int,
+    ) -> None:
+        self.previous = previous
+        self.at = selections
+        self.num_works = num_works
+        # Rows of every pending work: 1 + T with a drafter, else 1.
+        self.num_rows = num_rows
+        self.block_size = block_size
+        # [P] the drafts each pending work's context counted as accepted but the
+        # previous batch rejected; None when no work verified drafts there.
+        self.rejected = None
+        if unconfirmed is not None:
+            self.rejected = unconfirmed - previous.accepted[selections.sources]
+
+    def fill(
+        self, packed: torch.Tensor, layout: StepLayout, commit: CommitRows
+    ) -> None:
+        """Write the pending inputs into the step buffer `packed`, commit each
+        verified sequence's state to its last accepted row (`commit`: slots, rows)
+        and take the rejected rows back from positions, slots and context lengths."""
+        at, rows = self.at, self.num_rows
+        inputs = self.previous.next_inputs[at.sources, :rows]
+        input_ids_of(packed, layout)[at.tokens] = inputs.reshape(-1)
+        if self.rejected is None:
+            return
+        _, positions, metadata = view_step(packed, layout)
+        commit(
+            metadata.state_slots[at.committed],
+            self.previous.accepted[at.committed_sources],
+        )
+        rejected = self.rejected
+        moved = positions[at.tokens].view(self.num_works, rows) - rejected[:, None]
+        positions[at.tokens] = moved.reshape(-1)
+        metadata.context_lens[at.works] -= rejected
+        metadata.query_positions[at.works] -= rejected[:, None]
+        blocks = metadata.block_tables[at.works].gather(1, moved // self.block_size)
+        slots = blocks * self.block_size + moved % self.block_size
+        metadata.slot_mapping[at.tokens] = slots.reshape(-1)
+
+    def fix_sampling(self, sampling: SamplingMetadata) -> None:
+        """The pending works' drafts to verify, and their decided positions with
+        the rejected drafts taken back."""
+        at = self.at
+        if self.rejected is not None:
+            sampling.positions[at.works] -= self.rejected
+        if self.num_rows > 1:
+            drafts = self.previous.next_inputs[at.sources, 1 : self.num_rows]
+            sampling.spec.draft_ids[at.works, : self.num_rows - 1] = drafts
+
+
+
+def pending_rows(
+    batch: ScheduledBatch,
+    previous: SampledTokens | None,
+    block_size: int,
+    device: torch.device,
+) -> PendingRows | None:
+    """The pending rows of `batch`; None when it has none."""
+    works, firsts, sources, unconfirmed = [], [], [], []
     rows: dict[int, int] | None = None
     row = 0
-    for work in batch.work:
+    num_rows = None
+    for index, work in enumerate(batch.work):
         if work.input_pending:
             if previous is None or previous.batch.batch_id != batch.batch_id - 1:
                 raise RuntimeError(
@@ -55,24 +144,39 @@ def pending_input_filler(
                     f"batch {batch.batch_id} takes sequence {work.seq_id}'s input "
                     f"from batch {previous.batch.batch_id}, which did not sample it"
                 )
-            targets.append(row)
+            if num_rows not in (None, work.num_rows):
+                raise RuntimeError(
+                    f"batch {batch.batch_id}: pending works of {num_rows} and "
+                    f"{work.num_rows} rows (each takes 1 + T rows)"
+                )
+            num_rows = work.num_rows
+            works.append(index)
+            firsts.append(row)
             sources.append(source)
+            unconfirmed.append(work.unconfirmed_drafts)
         row += work.num_rows
-    if not targets:
+    if not works:
         return None
-    tokens = previous.emitted[:, 0]
-    count = len(targets)
-    if targets == sources and targets[-1] == count - 1:
-        # Steady decode: rows 0..n-1 take the previous batch's tokens 0..n-1 (the
-        # rows only grow, so the last one names them all): one device copy, no
-        # index to send.
-        def fill_in_order(input_ids: torch.Tensor) -> None:
-            input_ids[:count].copy_(tokens[:count])
-
-        return fill_in_order
-    index = host_to_device(targets + sources, torch.long, device).view(2, -1)
-
-    def fill(input_ids: torch.Tensor) -> None:
-        input_ids.index_copy_(0, index[0], tokens.index_select(0, index[1]))
-
-    return fill
+    count = len(works)
+    verified = [i for i, n in enumerate(unconfirmed) if n]
+    in_order = works == sources == list(range(count))
+    if in_order and len(verified) in (0, count) and len(set(unconfirmed)) == 1:
+        # Steady decode: the works lead both batches in one order, so slices name
+        # them and nothing but the rejected counts is computed on the device.
+        every = slice(0, count)
+        at = _Selections(every, slice(0, count * num_rows), every, every, every)
+        taken_back = unconfirmed[0] or None
+    else:
+        token_rows = [first + i for first in firsts for i in range(num_rows)]
+        fields = [
+            (works, torch.long, (count,)),
+            (token_rows, torch.long, (len(token_rows),)),
+            (sources, torch.long, (count,)),
+            ([works[i] for i in verified], torch.long, (len(verified),)),
+            ([sources[i] for i in verified], torch.long, (len(verified),)),
+            (unconfirmed, torch.long, (count,)),
+        ]
+        *selected, counts = hosts_to_device(fields, device)
+        at = _Selections(*selected)
+        taken_back = counts if verified else None
+    return PendingRows(previous, at, count, num_rows, taken_back, block_size)

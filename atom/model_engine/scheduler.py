@@ -395,16 +395,25 @@ class Scheduler:
                 continue
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted to make room for an earlier one
-            num_drafts = self._num_drafts_to_verify(seq)
+            if pending:
+                # The previous batch emits at most drafts_in_flight + 1 tokens and
+                # proposes T drafts after them (run_ahead.py).
+                unconfirmed = seq.drafts_in_flight
+                num_drafts = self.limits.num_speculative_tokens
+                pending_rows = unconfirmed + 1
+            else:
+                unconfirmed, pending_rows = 0, 0
+                num_drafts = self._num_drafts_to_verify(seq)
             if 1 + num_drafts > budget:
                 break
-            if not self._make_room(seq, num_drafts + pending, scheduled):
+            if not self._make_room(seq, num_drafts + pending_rows, scheduled):
                 continue
-            start = seq.num_computed_tokens
+            start = seq.num_computed_tokens + unconfirmed
             seq.num_computed_tokens += 1
-            # A pending input is a placeholder the runner fills on the device.
-            last = 0 if pending else seq.last_token
-            rows = [last] + seq.spec_token_ids[:num_drafts]
+            if pending:  # placeholders the runner fills on the device
+                rows = [0] * (1 + num_drafts)
+            else:
+                rows = [seq.last_token] + seq.spec_token_ids[:num_drafts]
             works.append(
                 self._work(
                     seq,
@@ -412,6 +421,7 @@ class Scheduler:
                     context_len=start,
                     num_drafts=num_drafts,
                     input_pending=pending,
+                    unconfirmed_drafts=unconfirmed,
                 )
             )
             scheduled.add(seq.seq_id)
@@ -471,6 +481,7 @@ class Scheduler:
         """The sequence's SeqWork: its rows (`rows`) with its table, slot and sampling."""
         sp = seq.sampling_params
         samples = rows.get("sample", True)
+        seq.drafts_in_flight = rows.get("num_drafts", 0)
         if seq.needs_prompt_logprobs:
             # Also on a decode-shaped work: a prefill whose last chunk is one token
             # runs as decode, and its sampled step must carry the flag.
@@ -545,7 +556,9 @@ class Scheduler:
                 finished.append(seq)
                 continue
             seq.spec_token_ids = list(choice.draft_token_ids)
-            if work.num_drafts:
+            # A sequence already running ahead had this state committed on the
+            # device, before its next verify (run_ahead.py).
+            if work.num_drafts and not seq.in_flight_batch_ids:
                 self._pending_commits[seq.seq_id] = (seq.state_slot, accepted + 1)
         return finished
 

@@ -80,6 +80,9 @@ class Sequence:
         # The batches whose output this sequence waits for, oldest first: one, or
         # two when async scheduling runs it ahead of its sampled token.
         self.in_flight_batch_ids: list[int] = []
+        # Drafts its newest scheduled batch verifies (async scheduling runs the next
+        # batch before their acceptance is known).
+        self.drafts_in_flight = 0
         # P/D (docs/pd.md): what the request asked (`do_remote_decode` on a
         # producer, the producer's reply on a consumer), and a producer's reply.
         self.kv_transfer_params: dict | None = kv_transfer_params

@@ -145,14 +145,18 @@ class StepSampler:
             self.store_draft_probs(sampling, drafts)
         parts = [accepted.unsqueeze(1), emitted]
         if drafts is not None:
-            parts.append(drafts.ids)
-        fetched = [torch.cat(parts, dim=1)]
+            parts += [anchors.unsqueeze(1), drafts.ids]
+        packed = torch.cat(parts, dim=1)
+        # What the next step's pending rows take (pending_tokens.py): the anchor
+        # and the drafts after it, or the one sampled token.
+        next_inputs = emitted if drafts is None else packed[:, 1 + emitted.shape[1] :]
+        fetched = [packed]
         if logprobs is not None:
             chosen, top_values, top_ids = logprobs
             fetched += [torch.cat([chosen.unsqueeze(2), top_values], dim=2), top_ids]
         # The step's one device-to-host copy (two more only for logprobs), started
         # now and read by SampledStep.choices.
-        return SampledStep(sampling, emitted, HostFetch(fetched))
+        return SampledStep(sampling, emitted, next_inputs, accepted, HostFetch(fetched))
 
     def store_draft_probs(
         self, sampling: SamplingMetadata, drafts: DraftOutput
@@ -203,8 +207,13 @@ class SampledStep:
     sampling: SamplingMetadata
     # [S, W] emitted tokens (W = 1 without drafts).
     emitted: torch.Tensor
-    # [S, 1 + W + drafts] rows of (accepted count, emitted, next drafts); then,
-    # with logprobs, [P, W, 1 + top] values (the chosen token's first) and ids.
+    # [S, 1 + T] the next step's inputs: the anchor and the T next drafts (the
+    # emitted token without a drafter); [S] the accepted drafts.
+    next_inputs: torch.Tensor
+    accepted: torch.Tensor
+    # [S, 1 + W (+ 1 + T)] rows of (accepted count, emitted, and with a drafter the
+    # anchor and the next drafts); then, with logprobs, [P, W, 1 + top] values
+    # (the chosen token's first) and ids.
     fetch: HostFetch
 
     def choices(self) -> list[TokenChoice]:
@@ -212,7 +221,7 @@ class SampledStep:
         fetched = [t.tolist() for t in self.fetch.get()]
         sampling, width = self.sampling, self.emitted.shape[1]
         choices = [
-            TokenChoice(seq_id, row[1 : 2 + row[0]], row[0], row[1 + width :])
+            TokenChoice(seq_id, row[1 : 2 + row[0]], row[0], row[2 + width :])
             for seq_id, row in zip(sampling.seq_ids, fetched[0])
         ]
         if len(fetched) > 1:

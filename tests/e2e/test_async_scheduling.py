@@ -38,8 +38,11 @@ def requests(stop: str | None) -> list[tuple[int, str, SamplingParams]]:
     ]
 
 
-def serve(engine: LLMEngine, stop: str | None) -> tuple[dict, int]:
-    """({request id: final output}, pending inputs the engine sent)."""
+def serve(
+    engine: LLMEngine, stop: str | None, arrivals: list | None = None
+) -> tuple[dict, int]:
+    """({request id: final output}, pending inputs the engine sent) for
+    `arrivals` ((step, prompt, params), `requests(stop)` by default)."""
     pending = 0
     submit = engine.workers.submit
 
@@ -49,7 +52,7 @@ def serve(engine: LLMEngine, stop: str | None) -> tuple[dict, int]:
         submit(batch)
 
     engine.workers.submit = counting_submit
-    arrivals = requests(stop)
+    arrivals = requests(stop) if arrivals is None else list(arrivals)
     done, step = {}, 0
     while arrivals or engine.has_unfinished_requests():
         while arrivals and arrivals[0][0] <= step:
@@ -105,15 +108,63 @@ def test_async_scheduling_gives_the_synchronous_outputs(device):
     assert "length" in reasons and ("stop" in reasons or stop is None)
 
 
+def dspark_requests(stop: list[str]) -> list[tuple[int, str, SamplingParams]]:
+    """Requests that verify drafts: greedy and sampled ones running ahead, one near
+    max_model_len (its last verifies wait for the host), a stop string, and one
+    that joins while the others verify."""
+    greedy = dict(temperature=0, ignore_eos=True)
+    return [
+        (0, "hello world", SamplingParams(**greedy, max_tokens=40)),
+        (0, "the cat sat", SamplingParams(temperature=0.8, seed=5, max_tokens=30)),
+        (0, "one two", SamplingParams(temperature=0, max_tokens=25)),
+        (2, "red green", SamplingParams(**greedy, max_tokens=17, stop=stop)),
+        (4, "a b c", SamplingParams(**greedy, max_tokens=2)),
+        (6, "hello world", SamplingParams(**greedy, max_tokens=57)),
+    ]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_async_scheduling_with_dspark_gives_the_synchronous_outputs(device):
+    """Verifies run ahead of their acceptance: the rejected drafts are taken back
+    on the device, and every token, text and finish reason is the synchronous
+    engine's. On CUDA the verifies replay graphs."""
+    settings = dict(
+        ENGINE_SETTINGS,
+        device=device,
+        method="dspark",
+        draft_model="tiny-kimi-k3-dspark",
+        num_speculative_tokens=3,
+        max_model_len=64,
+    )
+    if device == "cuda":
+        settings |= dict(dtype="float32", cudagraph_capture_sizes=[1, 2, 4, 8])
+    outputs, stats = [], []
+    for flag in (False, True):
+        engine = LLMEngine(MODEL, async_scheduling=flag, **settings)
+        try:
+            outputs.append(serve(engine, None, dspark_requests(["will not"])))
+            stats.append(engine.get_spec_decode_stats())
+        finally:
+            engine.close()
+    (expected, none_pending), (got, pending) = outputs
+    assert none_pending == 0
+    assert pending > 0, "no verify ran ahead of its acceptance"
+    assert sorted(got) == sorted(expected)
+    for request_id, want in expected.items():
+        out = got[request_id]
+        assert out.output_token_ids == want.output_token_ids, request_id
+        assert out.text == want.text
+        assert out.finish_reason == want.finish_reason
+    assert {out.finish_reason for out in got.values()} == {"length", "stop"}
+    assert stats[0] == stats[1]
+    assert 0 < stats[1]["total_accepted_tokens"] < stats[1]["total_draft_tokens"]
+
+
 @pytest.mark.parametrize(
     "setting, named",
     [
         (dict(tensor_parallel_size=2), "tensor_parallel_size=2"),
         (dict(pipeline_parallel_size=2), "pipeline_parallel_size=2"),
-        (
-            dict(method="dspark", draft_model="tiny-kimi-k3-dspark"),
-            "speculative method 'dspark'",
-        ),
     ],
 )
 def test_async_scheduling_refuses_what_it_cannot_run(setting, named):
@@ -128,7 +179,7 @@ def test_async_scheduling_refuses_what_it_cannot_run(setting, named):
         ("cpu", {}, False),  # the host is the device: nothing to overlap
         ("cuda", {}, True),
         ("cuda", dict(tensor_parallel_size=2), False),
-        ("cuda", dict(method="dspark", draft_model="tiny-kimi-k3-dspark"), False),
+        ("cuda", dict(method="dspark", draft_model="tiny-kimi-k3-dspark"), True),
     ],
 )
 def test_async_scheduling_left_unset_runs_wherever_it_can_on_a_gpu(

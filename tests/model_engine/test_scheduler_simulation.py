@@ -54,9 +54,10 @@ class ToyRunner:
         self.hybrid = sched.has_recurrent_state
         self.rng = random.Random(seed)
         self.num_forks = 0
-        # (batch id, seq id -> token) of the last sampling batch: the inputs that
-        # async scheduling leaves pending, and how many it did.
-        self.sampled: tuple[int, dict[int, int]] = (-1, {})
+        # (batch id, seq id -> (emitted tokens, accepted drafts, next drafts)) of
+        # the last sampling batch: the inputs that async scheduling leaves pending,
+        # and how many it did.
+        self.sampled: tuple[int, dict[int, TokenChoice]] = (-1, {})
         self.num_pending_inputs = 0
 
     def _slot(self, block_table: list[int], pos: int) -> int:
@@ -65,6 +66,26 @@ class ToyRunner:
     def execute(self, batch: ScheduledBatch) -> BatchOutput | None:
         for slot, rows in batch.spec_commits:
             self.state[slot] = self.snapshots.pop(slot)[rows - 1]
+        # Pending rows, resolved as the runner does on the device: the previous
+        # batch's anchor and drafts, the rejected drafts taken back from the
+        # context, the state committed to the last accepted row.
+        resolved = {}
+        for work in batch.work:
+            if not work.input_pending:
+                continue
+            sampled_in, choices = self.sampled
+            assert sampled_in == batch.batch_id - 1, "pending input of an old batch"
+            choice = choices[work.seq_id]
+            rows = [choice.token_ids[-1], *choice.draft_token_ids][: work.num_rows]
+            assert len(rows) == work.num_rows, "fewer drafts than the rows to fill"
+            rejected = work.unconfirmed_drafts - choice.num_accepted
+            assert rejected >= 0
+            if work.unconfirmed_drafts:
+                self.state[work.state_slot] = self.snapshots.pop(work.state_slot)[
+                    choice.num_accepted
+                ]
+            resolved[work.seq_id] = (rows, work.context_len - rejected)
+            self.num_pending_inputs += 1
         for work in batch.work:
             if work.state_fork_src is not None:
                 self.state[work.state_slot] = self.state[work.state_fork_src]
@@ -75,14 +96,11 @@ class ToyRunner:
         for work in batch.work:
             state = self.state[work.state_slot]
             targets, row_states = [], []
-            rows = list(work.token_ids)
-            if work.input_pending:
-                sampled_in, tokens = self.sampled
-                assert sampled_in == batch.batch_id - 1, "pending input of an old batch"
-                rows[0] = tokens[work.seq_id]
-                self.num_pending_inputs += 1
+            rows, context_len = resolved.get(
+                work.seq_id, (work.token_ids, work.context_len)
+            )
             for i, token in enumerate(rows):
-                pos = work.context_len + i
+                pos = context_len + i
                 self.kv[self._slot(work.block_table, pos)] = token
                 prefix = tuple(
                     self.kv[self._slot(work.block_table, p)] for p in range(pos + 1)
@@ -99,11 +117,9 @@ class ToyRunner:
                 continue
             base = len(work.token_ids) - 1 - work.num_drafts
             a = 0
-            while a < work.num_drafts and (
-                work.token_ids[base + 1 + a] == targets[base + a]
-            ):
+            while a < work.num_drafts and (rows[base + 1 + a] == targets[base + a]):
                 a += 1
-            tokens = work.token_ids[base + 1 : base + 1 + a] + [targets[base + a]]
+            tokens = rows[base + 1 : base + 1 + a] + [targets[base + a]]
             committed = row_states[base + a] + (tokens[-1],)
             drafts = self._propose(committed, work.block_table)
             choices.append(TokenChoice(work.seq_id, tokens, a, drafts))
@@ -112,7 +128,7 @@ class ToyRunner:
                 self.state[work.state_save_dst] = self.state[work.state_slot]
         if not choices:
             return None
-        self.sampled = (batch.batch_id, {c.seq_id: c.token_ids[-1] for c in choices})
+        self.sampled = (batch.batch_id, {c.seq_id: c for c in choices})
         return BatchOutput(batch.batch_id, choices)
 
     def _propose(self, committed: tuple[int, ...], block_table: list[int]):
@@ -179,6 +195,10 @@ def simulate(sched: Scheduler, runner: ToyRunner, requests, depth: int):
         # Async scheduling: two batches in flight on one "device".
         (0, False, 2, 64, True),
         (0, True, 2, 16, True),
+        # ... with drafts: the rejected ones are taken back on the "device".
+        (3, False, 2, 64, True),
+        (3, True, 2, 16, True),
+        (2, True, 2, 64, True),
     ],
 )
 def test_generation_matches_greedy_reference(
