@@ -10,6 +10,7 @@ rolling back and forking states reads no layer attribute.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -30,6 +31,16 @@ def state_layers(modules: list[nn.Module]) -> list[RecurrentStateLayer]:
         for m in root.modules()
         if isinstance(m, RecurrentStateLayer)
     ]
+
+
+@dataclass(frozen=True)
+class StateStack:
+    """One kind of recurrent state (a `StateTensor`) of every layer that keeps it:
+    [layers, slots, *shape], and with speculation the snapshot after each verify
+    row, [layers, slots, rows, *shape]. Each layer binds its own slice."""
+
+    states: torch.Tensor
+    snapshots: torch.Tensor | None
 
 
 class CacheEngine:
@@ -79,19 +90,36 @@ class CacheEngine:
                     device=device,
                 )
             )
-        # Per state layer: {name: [slots, *shape]} and {name: [slots, rows, *shape]}.
-        self.states: list[dict[str, torch.Tensor]] = []
-        self.snapshots: list[dict[str, torch.Tensor]] = []
-        for layer in self.state_layers:
-            spec = layer.state_spec()
-            states = {t.name: self._zeros(t, (slots,)) for t in spec}
-            snapshots = None
-            if num_verify_rows:
-                rows = (slots, num_verify_rows)
-                snapshots = {t.name: self._zeros(t, rows) for t in spec}
-            self.states.append(states)
-            self.snapshots.append(snapshots or {})
-            layer.bind_states(states, snapshots)
+        # Per state layer: {name: [slots, *shape]} and {name: [slots, rows, *shape]},
+        # views of one stacked tensor per kind of state (`StateStack`), so a
+        # commit or a copy costs two launches per kind, not per layer.
+        self.states: list[dict[str, torch.Tensor]] = [{} for _ in self.state_layers]
+        self.snapshots: list[dict[str, torch.Tensor]] = [
+            {} for _ in self.state_layers
+        ]
+        members: dict[StateTensor, list[int]] = {}
+        for index, layer in enumerate(self.state_layers):
+            for tensor in layer.state_spec():
+                members.setdefault(tensor, []).append(index)
+        self.state_stacks: list[StateStack] = []
+        for tensor, layers in members.items():
+            stack = StateStack(
+                self._zeros(tensor, (len(layers), slots)),
+                (
+                    self._zeros(tensor, (len(layers), slots, num_verify_rows))
+                    if num_verify_rows
+                    else None
+                ),
+            )
+            self.state_stacks.append(stack)
+            for position, index in enumerate(layers):
+                self.states[index][tensor.name] = stack.states[position]
+                if stack.snapshots is not None:
+                    self.snapshots[index][tensor.name] = stack.snapshots[position]
+        for layer, states, snapshots in zip(
+            self.state_layers, self.states, self.snapshots
+        ):
+            layer.bind_states(states, snapshots if num_verify_rows else None)
 
     def layer_kv_dtype(self, layer: PagedKVLayer) -> torch.dtype:
         return layer.kv_cache_dtype or self.kv_dtype
@@ -122,9 +150,8 @@ class CacheEngine:
         self._check_slots(src_slots, "source")
         self._check_slots(dst_slots, "destination")
         src, dst = self._slot_tensor(src_slots), self._slot_tensor(dst_slots)
-        for states in self.states:
-            for state in states.values():
-                state.index_copy_(0, dst, state.index_select(0, src))
+        for stack in self.state_stacks:
+            stack.states.index_copy_(1, dst, stack.states.index_select(1, src))
 
     def commit(self, slots: list[int], num_rows: list[int]) -> None:
         """After a verify forward: each slot's state becomes the one after its row
@@ -145,9 +172,8 @@ class CacheEngine:
     def commit_rows(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
         """`commit` with device indices: each slot's state becomes its snapshot
         `rows` (0-based), as async scheduling commits before the host knows them."""
-        for states, snapshots in zip(self.states, self.snapshots):
-            for name, state in states.items():
-                state.index_copy_(0, slots, snapshots[name][slots, rows])
+        for stack in self.state_stacks:
+            stack.states.index_copy_(1, slots, stack.snapshots[:, slots, rows])
 
     def kv_bytes_per_block(self) -> int:
         return sum(

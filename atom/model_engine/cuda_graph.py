@@ -36,6 +36,7 @@ from atom.model_engine.model_inputs import (
     view_step,
 )
 from atom.model_engine.pending_tokens import InputFiller
+from atom.model_ops.host_copy import pinned
 from atom.models.utils import IntermediateTensors
 from atom.utils.forward_context import ForwardContext, set_forward_context
 from atom.utils.graph_capture import capture_graph
@@ -201,7 +202,7 @@ class DecodeGraphs:
                 f"batch layout {layout} differs from the captured {capture.layout}"
             )
         # Pinned, so the copy does not hold the host (model_inputs.to_device).
-        capture.packed.copy_(packed.pin_memory(), non_blocking=True)
+        capture.packed.copy_(pinned(packed), non_blocking=True)
         if fill is not None:
             fill(capture.packed, capture.layout)
         num_rows = len(works) * query_len

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from atom.model_engine.batch import SeqWork
+from atom.model_ops.host_copy import pinned
 from atom.utils.forward_context import AttentionMetadata
 
 
@@ -239,4 +240,4 @@ def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     pinned block until the copy has run."""
     if torch.device(device).type == "cpu":
         return host
-    return host.pin_memory().to(device, non_blocking=True)
+    return pinned(host).to(device, non_blocking=True)
