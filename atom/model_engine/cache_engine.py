@@ -94,9 +94,7 @@ class CacheEngine:
         # views of one stacked tensor per kind of state (`StateStack`), so a
         # commit or a copy costs two launches per kind, not per layer.
         self.states: list[dict[str, torch.Tensor]] = [{} for _ in self.state_layers]
-        self.snapshots: list[dict[str, torch.Tensor]] = [
-            {} for _ in self.state_layers
-        ]
+        self.snapshots: list[dict[str, torch.Tensor]] = [{} for _ in self.state_layers]
         members: dict[StateTensor, list[int]] = {}
         for index, layer in enumerate(self.state_layers):
             for tensor in layer.state_spec():

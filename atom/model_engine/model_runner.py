@@ -285,9 +285,7 @@ class ModelRunner:
             payload = recv_tensor_dict(self.device, self._expected_keys(), into)
             taps_in = payload.pop(AUX_KEY, None)
             received = IntermediateTensors(payload)
-        pending = pending_rows(
-            batch, self.sampled, self.limits.block_size, self.device
-        )
+        pending = pending_rows(batch, self.sampled, self.limits.block_size, self.device)
         fill = None
         if pending is not None:
             fill = partial(pending.fill, commit=self.cache.commit_rows)

@@ -116,7 +116,6 @@ class PendingRows:
             sampling.spec.draft_ids[at.works, : self.num_rows - 1] = drafts
 
 
-
 def pending_rows(
     batch: ScheduledBatch,
     previous: SampledTokens | None,

@@ -82,9 +82,7 @@ def verified_previous(seq_ids: list[int], accepted: list[int]) -> SampledTokens:
     its next inputs are (anchor, T drafts) = 100 * seq + (0, 1, 2, 3)."""
     works = [decode(s, pending=False, rows=1 + T) for s in seq_ids]
     next_inputs = torch.tensor([[100 * s + j for j in range(1 + T)] for s in seq_ids])
-    return SampledTokens(
-        ScheduledBatch(1, works), next_inputs, torch.tensor(accepted)
-    )
+    return SampledTokens(ScheduledBatch(1, works), next_inputs, torch.tensor(accepted))
 
 
 def resolved(work: SeqWork, previous: SampledTokens) -> SeqWork:
@@ -128,7 +126,7 @@ def test_rows_after_a_verify_take_back_the_rejected_drafts(order, accepted):
     commits = []
     rows.fill(packed, layout, commit=lambda *given: commits.append(given))
     assert torch.equal(packed, expected)
-    (slots, snapshot_rows), = commits
+    ((slots, snapshot_rows),) = commits
     assert slots.tolist() == order
     sources = [previous.batch.sample_seq_ids.index(s) for s in order]
     assert snapshot_rows.tolist() == [accepted[i] for i in sources]
@@ -155,5 +153,5 @@ def test_a_first_verify_after_a_prefill_takes_its_drafts_and_commits_nothing():
     rows = pending_rows(ScheduledBatch(2, works), previous, BLOCK, CPU)
     rows.fill(packed, layout, commit=lambda *given: commits.append(given))
     assert torch.equal(packed, expected)
-    (slots, snapshot_rows), = commits
+    ((slots, snapshot_rows),) = commits
     assert slots.tolist() == [11] and snapshot_rows.tolist() == [0]
