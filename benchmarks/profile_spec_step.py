@@ -6,7 +6,15 @@ batch: once timed, once under cProfile (the host's Python functions, by cumulati
 and own time) and once under `torch.profiler` (device kernels per step). A step is
 one target forward: a decode for target-only, a verify + block pass for DSpark.
 
+The timed run also times every `LLMEngine.step`: tokens per second include the
+prefill step, which at one short prompt on the tiny models weighs as much as dozens
+of decode steps and is the same for both engines, so each engine's line gives its
+prefill step, its median decode step and its decode time per emitted token, and the
+last line DSpark's ratio to target-only on that figure. `--times-only` skips the two
+profiles.
+
     python benchmarks/profile_spec_step.py --device cuda --num-prompts 16
+    python benchmarks/profile_spec_step.py --device cuda --num-prompts 1 --times-only
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ import argparse
 import cProfile
 import io
 import pstats
+import statistics
 import time
 
 import torch
@@ -31,18 +40,37 @@ def synchronize(device: str) -> None:
 
 def run_batch(
     engine: LLMEngine, prompts: list[list[int]], params: SamplingParams
-) -> tuple[int, int]:
-    """Generate every prompt; (tokens generated, engine steps taken)."""
+) -> tuple[int, list[float]]:
+    """Generate every prompt; (tokens generated, seconds of each engine step)."""
     for prompt in prompts:
         engine.add_request(prompt, params)
-    tokens = steps = 0
+    tokens, times = 0, []
     while engine.has_unfinished_requests():
-        steps += 1
-        tokens += sum(len(o.output_token_ids) for o in engine.step() if o.finished)
-    return tokens, steps
+        start = time.perf_counter()
+        outputs = engine.step()
+        times.append(time.perf_counter() - start)
+        tokens += sum(len(o.output_token_ids) for o in outputs if o.finished)
+    return tokens, times
 
 
-def profile_engine(args: argparse.Namespace, spec: bool) -> None:
+def decode_time_per_token(label: str, tokens: int, times: list[float], prompts: int):
+    """Print the prefill step apart from the decode steps; decode seconds per
+    decoded token. The first step prefills every prompt (one batch) and samples
+    their first tokens."""
+    decode, decoded = times[1:], tokens - prompts
+    per_token = sum(decode) / decoded
+    print(
+        f"{label} steps: prefill {1e3 * times[0]:.2f} ms, {len(decode)} decode "
+        f"steps of median {1e3 * statistics.median(decode):.3f} ms, "
+        f"{decoded / len(decode):.2f} tokens a step, {1e6 * per_token:.1f} us of "
+        "decode a token",
+        flush=True,
+    )
+    return per_token
+
+
+def profile_engine(args: argparse.Namespace, spec: bool) -> float:
+    """Time and profile one engine; its decode seconds per decoded token."""
     # The runs repeat one batch: no prefix cache, so each prefills in full.
     settings = dict(
         device=args.device,
@@ -63,15 +91,18 @@ def profile_engine(args: argparse.Namespace, spec: bool) -> None:
     try:
         for run in ("warm-up", "timed"):
             start = time.perf_counter()
-            tokens, steps = run_batch(engine, prompts, params)
+            tokens, times = run_batch(engine, prompts, params)
             synchronize(args.device)
             elapsed = time.perf_counter() - start
             print(
                 f"{label} {run}: {tokens} tokens in {elapsed:.3f} s = "
-                f"{tokens / elapsed:.1f} tok/s, {steps} engine steps, "
-                f"{1e3 * elapsed / steps:.2f} ms/step (prefill included)",
+                f"{tokens / elapsed:.1f} tok/s, {len(times)} engine steps, "
+                f"{1e3 * elapsed / len(times):.2f} ms/step (prefill included)",
                 flush=True,
             )
+        per_token = decode_time_per_token(label, tokens, times, len(prompts))
+        if args.times_only:
+            return per_token
         profiler = cProfile.Profile()
         profiler.enable()
         run_batch(engine, prompts, params)
@@ -101,6 +132,7 @@ def profile_engine(args: argparse.Namespace, spec: bool) -> None:
         )
     finally:
         engine.close()
+    return per_token
 
 
 def main() -> None:
@@ -114,9 +146,10 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--times-only", action="store_true")
     args = parser.parse_args()
-    for spec in (False, True):
-        profile_engine(args, spec)
+    target, dspark = (profile_engine(args, spec) for spec in (False, True))
+    print(f"dspark / target-only, decode time a token: {target / dspark:.2f}x")
 
 
 if __name__ == "__main__":

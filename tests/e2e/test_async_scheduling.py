@@ -77,6 +77,18 @@ def assert_same_logprobs(a, b) -> None:
         assert x.logprob == pytest.approx(y.logprob, abs=1e-4)
 
 
+def assert_same_outputs(got: dict, expected: dict) -> None:
+    """The same requests with the same tokens, text, finish reason and logprobs."""
+    assert sorted(got) == sorted(expected)
+    for request_id, want in expected.items():
+        out = got[request_id]
+        assert out.output_token_ids == want.output_token_ids, request_id
+        assert out.text == want.text
+        assert out.finish_reason == want.finish_reason
+        assert_same_logprobs(out.logprobs, want.logprobs)
+        assert_same_logprobs(out.prompt_logprobs, want.prompt_logprobs)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_async_scheduling_gives_the_synchronous_outputs(device):
     settings = dict(ENGINE_SETTINGS, device=device)
@@ -96,14 +108,7 @@ def test_async_scheduling_gives_the_synchronous_outputs(device):
     stop = text[4:6] or None
     assert none_pending == 0
     assert pending > 0, "no sequence ran ahead of its token"
-    assert sorted(got) == sorted(expected)
-    for request_id, want in expected.items():
-        out = got[request_id]
-        assert out.output_token_ids == want.output_token_ids, request_id
-        assert out.text == want.text
-        assert out.finish_reason == want.finish_reason
-        assert_same_logprobs(out.logprobs, want.logprobs)
-        assert_same_logprobs(out.prompt_logprobs, want.prompt_logprobs)
+    assert_same_outputs(got, expected)
     reasons = {out.finish_reason for out in got.values()}
     assert "length" in reasons and ("stop" in reasons or stop is None)
 
@@ -149,12 +154,7 @@ def test_async_scheduling_with_dspark_gives_the_synchronous_outputs(device):
     (expected, none_pending), (got, pending) = outputs
     assert none_pending == 0
     assert pending > 0, "no verify ran ahead of its acceptance"
-    assert sorted(got) == sorted(expected)
-    for request_id, want in expected.items():
-        out = got[request_id]
-        assert out.output_token_ids == want.output_token_ids, request_id
-        assert out.text == want.text
-        assert out.finish_reason == want.finish_reason
+    assert_same_outputs(got, expected)
     assert {out.finish_reason for out in got.values()} == {"length", "stop"}
     assert stats[0] == stats[1]
     assert 0 < stats[1]["total_accepted_tokens"] < stats[1]["total_draft_tokens"]
