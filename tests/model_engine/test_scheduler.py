@@ -234,6 +234,62 @@ def test_verify_rows_commits_and_drafts_flow_between_batches():
     assert sched.spec_stats.total_accepted_tokens == 1
 
 
+def test_a_verify_runs_ahead_counting_the_previous_drafts_accepted():
+    """Async scheduling: the next verify is scheduled before the last one's
+    acceptance is known; its context counts every draft accepted, its blocks cover
+    that, and its state commit happens on the device (none is queued here)."""
+    sched = spec_scheduler(async_scheduling=True)
+    seq = seq_of(range(10, 16), max_tokens=20)
+    sched.add(seq)
+    prefill = sched.schedule()
+    first = sched.schedule()  # runs ahead of the prefill's token
+    (work,) = first.work
+    assert work.input_pending and work.unconfirmed_drafts == 0
+    assert (work.num_rows, work.num_drafts, work.context_len) == (4, 3, 6)
+    sched.postprocess(prefill, answer(prefill, drafts=[[71, 72, 73]]))
+    second = sched.schedule()  # runs ahead of the first verify's acceptance
+    (ahead,) = second.work
+    assert ahead.input_pending and ahead.unconfirmed_drafts == 3
+    assert (ahead.num_rows, ahead.context_len) == (4, 7 + 3)
+    # Rows up to the counted drafts, the next verify's and the drafter's block.
+    assert len(ahead.block_table) * 4 >= 10 + 4 + 3
+    # The first verify kept one draft; the host learns it now, and its state
+    # commit is the runner's (the sequence already runs in `second`).
+    sched.postprocess(first, answer(first, [[71, 90]], [1], [[81, 82, 83]]))
+    assert seq.output_token_ids == [50, 71, 90]
+    assert sched._pending_commits == {}
+    # `second` kept every draft; nothing runs ahead of it, so its commit is queued.
+    sched.postprocess(second, answer(second, [[81, 82, 83, 91]], [3], [[1, 2, 3]]))
+    assert seq.output_token_ids == [50, 71, 90, 81, 82, 83, 91]
+    assert seq.num_computed_tokens == seq.num_tokens - 1
+    nxt = sched.schedule()
+    assert nxt.spec_commits == [(work.state_slot, 4)]
+    assert (nxt.work[0].token_ids, nxt.work[0].context_len) == ([91, 1, 2, 3], 12)
+    assert not nxt.work[0].input_pending
+
+
+@pytest.mark.parametrize("max_model_len, runs_ahead", [(15, True), (14, False)])
+def test_a_verify_near_max_model_len_waits_for_the_host(max_model_len, runs_ahead):
+    """Counting every unconfirmed draft accepted, the next verify must still fit
+    all T drafts below max_model_len (as a synchronous one would), else it waits
+    for the previous verify's tokens."""
+    sched = spec_scheduler(async_scheduling=True, max_model_len=max_model_len)
+    sched.add(seq_of(range(10, 16), max_tokens=8))
+    prefill = sched.schedule()
+    first = sched.schedule()
+    sched.postprocess(prefill, answer(prefill, drafts=[[71, 72, 73]]))
+    # 7 tokens and at most 3 + 1 more from `first`: the next verify's rows could
+    # reach position 13, which `_num_drafts_to_verify` allows only below
+    # max_model_len - 1.
+    nxt = sched.schedule()
+    if runs_ahead:
+        assert nxt.work[0].input_pending
+    else:
+        assert nxt is None
+        sched.postprocess(first, answer(first, [[71, 90]], [1], [[81, 82, 83]]))
+        assert not sched.schedule().work[0].input_pending
+
+
 def test_stop_inside_the_accepted_block_discards_later_tokens():
     sched = spec_scheduler()
     seq = seq_of(range(10, 16), max_tokens=20)
