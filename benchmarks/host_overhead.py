@@ -33,6 +33,11 @@ steps without a forward.
     python benchmarks/host_overhead.py --batch-sizes 128 --input-len 256 --no-forward
     python benchmarks/host_overhead.py --batch-sizes 1 --no-forward \
         --draft-model tiny-kimi-k3-dspark
+    python benchmarks/host_overhead.py --batch-sizes 1 --no-forward \
+        --draft-model tiny-kimi-k3-dspark --async-scheduling
+
+With `--async-scheduling` (a GPU's default) steps run ahead of their tokens, and
+`inputs` also holds the repair of the pending rows (pending_tokens.py).
 """
 
 from __future__ import annotations
@@ -316,6 +321,11 @@ def main() -> None:
         help="DSpark's draft (e.g. tiny-kimi-k3-dspark): a step verifies and drafts",
     )
     parser.add_argument("--num-speculative-tokens", type=int, default=7)
+    parser.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="run ahead as on a GPU (run_ahead.py): pending rows filled and repaired",
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     batches = [int(b) for b in args.batch_sizes.split(",")]
@@ -334,6 +344,7 @@ def main() -> None:
         # Room for a verify's drafts past the last output token.
         max_model_len=args.input_len + 48 + args.steps + args.num_speculative_tokens,
         max_num_batched_tokens=max(256, args.input_len * max(batches)),
+        async_scheduling=args.async_scheduling,
         **speculation,
     )
     timer = PhaseTimer()
