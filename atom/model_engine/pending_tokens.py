@@ -159,7 +159,7 @@ def pending_rows(
     count = len(works)
     verified = [i for i, n in enumerate(unconfirmed) if n]
     in_order = works == sources == list(range(count))
-    if in_order and len(verified) in (0, count) and len(set(unconfirmed)) == 1:
+    if in_order and len(set(unconfirmed)) == 1:
         # Steady decode: the works lead both batches in one order, so slices name
         # them and nothing but the rejected counts is computed on the device.
         every = slice(0, count)
