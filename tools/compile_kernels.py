@@ -138,6 +138,44 @@ def _specs() -> list[KernelSpec]:
             dict(BLOCK_M=16, BLOCK_T=32, BLOCK_E=512),
         )
     )
+    # A DSpark step's greedy verify (T = 7 drafts: 8 verify rows).
+    pointers = "best row_index drafts num_drafts positions out anchor_positions"
+    specs.append(
+        KernelSpec(
+            "greedy_verify",
+            "_greedy_verify_kernel",
+            {
+                **{f"{name}_ptr": "*i64" for name in pointers.split()},
+                **dict.fromkeys(("num_seqs", "T", "out_stride"), "i32"),
+            },
+            dict(BLOCK_S=16, BLOCK_W=8),
+        )
+    )
+    # Async scheduling's pending rows: in steady order with one count, and
+    # selected with counts of their own.
+    ints = (
+        "rows unconfirmed_all next_stride accepted_stride positions_at context_at "
+        "slots_at tables_at table_width query_at query_width block_size"
+    )
+    pointers = "packed next_inputs accepted works firsts sources unconfirmed rejected"
+    for in_order in (True, False):
+        specs.append(
+            KernelSpec(
+                "pending_fill",
+                "_pending_fill_kernel",
+                {
+                    **{f"{name}_ptr": "*i64" for name in pointers.split()},
+                    **dict.fromkeys(ints.split(), "i32"),
+                },
+                dict(
+                    IN_ORDER=in_order,
+                    ONE_COUNT=in_order,
+                    REPAIR=True,
+                    BLOCK_R=8,
+                    BLOCK_Q=8,
+                ),
+            )
+        )
     for dt in ("fp32", "bf16"):
         specs += _per_dtype_specs(dt)
     return specs

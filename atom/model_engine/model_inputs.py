@@ -47,6 +47,18 @@ class StepLayout:
     # (name, shape) in buffer order.
     fields: tuple[tuple[str, tuple[int, ...]], ...]
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        return dict(self.fields)[name]
+
+    def offset(self, name: str) -> int:
+        """Where field `name` starts in the packed buffer (elements)."""
+        start = 0
+        for field, shape in self.fields:
+            if field == name:
+                return start
+            start += math.prod(shape)
+        raise KeyError(f"the step buffer has no field {name!r}")
+
 
 def slot_of(block_table: list[int], position: int, block_size: int) -> int:
     """The paged-KV slot of `position`: block_table[pos // bs] * bs + pos % bs."""

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from atom.config import Config
 from atom.distributed.parallel_state import get_pp_group, get_tp_group
 from atom.distributed.pp_comm import recv_tensor_dict, send_tensor_dict
+from atom.kernels import triton_available
 from atom.kv_transfer.connector import KVConnectorWorker
 from atom.kv_transfer.regions import RankLayout
 from atom.model_engine.batch import BatchOutput, ScheduledBatch, SeqWork
@@ -99,7 +100,13 @@ class ModelRunner:
         self.proposer = (
             self.drafter if self.drafter and self.drafter.will_propose else None
         )
-        self.step_sampler = StepSampler(self.proposer)
+        # The step's bookkeeping between graph replays (the greedy verify, the
+        # pending rows) in one launch each on a GPU, where every torch operator
+        # there is a launch the host pays for.
+        self.bookkeeping_kernels = device.type == "cuda" and triton_available(device)
+        self.step_sampler = StepSampler(
+            self.proposer, greedy_verify_kernel=self.bookkeeping_kernels
+        )
         # The last sampling batch's tokens, for inputs async scheduling left pending.
         self.sampled: SampledTokens | None = None
         # The last step's sampling metadata, whose tensors steady decode reuses.
@@ -285,7 +292,13 @@ class ModelRunner:
             payload = recv_tensor_dict(self.device, self._expected_keys(), into)
             taps_in = payload.pop(AUX_KEY, None)
             received = IntermediateTensors(payload)
-        pending = pending_rows(batch, self.sampled, self.limits.block_size, self.device)
+        pending = pending_rows(
+            batch,
+            self.sampled,
+            self.limits.block_size,
+            self.device,
+            kernel=self.bookkeeping_kernels,
+        )
         fill = None
         if pending is not None:
             fill = partial(pending.fill, commit=self.cache.commit_rows)

@@ -46,11 +46,13 @@ class SampledTokens:
 @dataclass(frozen=True)
 class _Selections:
     """Where the pending works sit: their batch rows (= sampled rows: a decode
-    batch samples every work), their token rows, the previous batch's rows they
-    take from; and the works whose state is committed, with their sources."""
+    batch samples every work), their token rows and the first of them, the
+    previous batch's rows they take from; and the works whose state is committed,
+    with their sources."""
 
     works: Selection
     tokens: Selection
+    firsts: Selection
     sources: Selection
     committed: Selection
     committed_sources: Selection
@@ -67,6 +69,7 @@ class PendingRows:
         num_rows: int,
         unconfirmed: int | torch.Tensor | None,
         block_size: int,
+        kernel: bool = False,
     ) -> None:
         self.previous = previous
         self.at = selections
@@ -74,11 +77,13 @@ class PendingRows:
         # Rows of every pending work: 1 + T with a drafter, else 1.
         self.num_rows = num_rows
         self.block_size = block_size
-        # [P] the drafts each pending work's context counted as accepted but the
-        # previous batch rejected; None when no work verified drafts there.
-        self.rejected = None
-        if unconfirmed is not None:
-            self.rejected = unconfirmed - previous.accepted[selections.sources]
+        # The drafts each pending work's context counted as accepted (one count
+        # for all, or [P]); None when no work verified drafts there.
+        self.unconfirmed = unconfirmed
+        # One launch for the step buffer's writes (atom/kernels/pending_fill.py).
+        self.kernel = kernel
+        # [P] of those drafts the previous batch rejected, once `fill` has run.
+        self.rejected: torch.Tensor | None = None
 
     def fill(
         self, packed: torch.Tensor, layout: StepLayout, commit: CommitRows
@@ -86,17 +91,24 @@ class PendingRows:
         """Write the pending inputs into the step buffer `packed`, commit each
         verified sequence's state to its last accepted row (`commit`: slots, rows)
         and take the rejected rows back from positions, slots and context lengths."""
-        at, rows = self.at, self.num_rows
-        inputs = self.previous.next_inputs[at.sources, :rows]
-        input_ids_of(packed, layout)[at.tokens] = inputs.reshape(-1)
-        if self.rejected is None:
+        if self.kernel:
+            self._fill_in_one_launch(packed, layout)
+        else:
+            self._fill_with_torch(packed, layout)
+        if self.unconfirmed is None:
             return
+        at, slots_at = self.at, layout.offset("state_slots")
+        state_slots = packed[slots_at : slots_at + layout.num_seqs]
+        commit(state_slots[at.committed], self.previous.accepted[at.committed_sources])
+
+    def _fill_with_torch(self, packed: torch.Tensor, layout: StepLayout) -> None:
+        at, rows, previous = self.at, self.num_rows, self.previous
+        inputs = previous.next_inputs[at.sources, :rows]
+        input_ids_of(packed, layout)[at.tokens] = inputs.reshape(-1)
+        if self.unconfirmed is None:
+            return
+        self.rejected = rejected = self.unconfirmed - previous.accepted[at.sources]
         _, positions, metadata = view_step(packed, layout)
-        commit(
-            metadata.state_slots[at.committed],
-            self.previous.accepted[at.committed_sources],
-        )
-        rejected = self.rejected
         moved = positions[at.tokens].view(self.num_works, rows) - rejected[:, None]
         positions[at.tokens] = moved.reshape(-1)
         metadata.context_lens[at.works] -= rejected
@@ -105,11 +117,29 @@ class PendingRows:
         slots = blocks * self.block_size + moved % self.block_size
         metadata.slot_mapping[at.tokens] = slots.reshape(-1)
 
+    def _fill_in_one_launch(self, packed: torch.Tensor, layout: StepLayout) -> None:
+        from atom.kernels.pending_fill import pending_fill
+
+        at = self.at
+        in_order = isinstance(at.works, slice)
+        self.rejected = pending_fill(
+            packed,
+            layout,
+            self.block_size,
+            self.previous.next_inputs,
+            self.previous.accepted,
+            self.num_rows,
+            self.num_works if in_order else (at.works, at.firsts, at.sources),
+            self.unconfirmed,
+        )
+
     def fix_sampling(self, sampling: SamplingMetadata) -> None:
         """The pending works' drafts to verify, and their decided positions with
-        the rejected drafts taken back."""
+        the rejected drafts taken back (after `fill`)."""
         at = self.at
-        if self.rejected is not None:
+        if self.unconfirmed is not None:
+            if self.rejected is None:
+                raise RuntimeError("fix_sampling runs after fill, which it follows")
             sampling.positions[at.works] -= self.rejected
         if self.num_rows > 1:
             drafts = self.previous.next_inputs[at.sources, 1 : self.num_rows]
@@ -121,8 +151,10 @@ def pending_rows(
     previous: SampledTokens | None,
     block_size: int,
     device: torch.device,
+    kernel: bool = False,
 ) -> PendingRows | None:
-    """The pending rows of `batch`; None when it has none."""
+    """The pending rows of `batch`; None when it has none (`kernel`: fill them in
+    one launch, `PendingRows.kernel`)."""
     works, firsts, sources, unconfirmed = [], [], [], []
     rows: dict[int, int] | None = None
     row = 0
@@ -163,13 +195,16 @@ def pending_rows(
         # Steady decode: the works lead both batches in one order, so slices name
         # them and nothing but the rejected counts is computed on the device.
         every = slice(0, count)
-        at = _Selections(every, slice(0, count * num_rows), every, every, every)
+        tokens = slice(0, count * num_rows)
+        firsts = slice(0, count * num_rows, num_rows)
+        at = _Selections(every, tokens, firsts, every, every, every)
         taken_back = unconfirmed[0] or None
     else:
         token_rows = [first + i for first in firsts for i in range(num_rows)]
         fields = [
             (works, torch.long, (count,)),
             (token_rows, torch.long, (len(token_rows),)),
+            (firsts, torch.long, (count,)),
             (sources, torch.long, (count,)),
             ([works[i] for i in verified], torch.long, (len(verified),)),
             ([sources[i] for i in verified], torch.long, (len(verified),)),
@@ -178,4 +213,4 @@ def pending_rows(
         *selected, counts = hosts_to_device(fields, device)
         at = _Selections(*selected)
         taken_back = counts if verified else None
-    return PendingRows(previous, at, count, num_rows, taken_back, block_size)
+    return PendingRows(previous, at, count, num_rows, taken_back, block_size, kernel)

@@ -36,9 +36,14 @@ if TYPE_CHECKING:
 class StepSampler:
     """Chooses each step's tokens and owns the draft distributions between steps."""
 
-    def __init__(self, drafter: Drafter | None = None) -> None:
+    def __init__(
+        self, drafter: Drafter | None = None, greedy_verify_kernel: bool = False
+    ) -> None:
         # None without speculation and on a context-only producer.
         self.drafter = drafter
+        # Verify greedy steps in one launch (atom/kernels/greedy_verify.py): on a
+        # GPU, where each of the torch path's dozen operators costs a launch.
+        self.greedy_verify_kernel = greedy_verify_kernel
         # q [T, V] (device) of the drafts each temperature > 0 sequence verifies
         # next; greedy requests need none.
         self.draft_probs: dict[int, torch.Tensor] = {}
@@ -114,6 +119,8 @@ class StepSampler:
         spec = sampling.spec
         if spec is None:
             raise ValueError("the step's SamplingMetadata carries no spec metadata")
+        if self._verifies_in_one_launch(sampling):
+            return self._launch_greedy_verify(logits, sampling)
         # [S, W, V]: row j of sequence s predicts the token after its draft j.
         scored = logits.unsqueeze(1) if spec.max_drafts == 0 else logits[spec.row_index]
         if sampling.adjust is not None:
@@ -157,6 +164,52 @@ class StepSampler:
         # The step's one device-to-host copy (two more only for logprobs), started
         # now and read by SampledStep.choices.
         return SampledStep(sampling, emitted, next_inputs, accepted, HostFetch(fetched))
+
+    def _verifies_in_one_launch(self, sampling: SamplingMetadata) -> bool:
+        """Whether this step takes the greedy verify kernel: every row greedy, with
+        drafts to verify and next, and nothing that needs the scored logits."""
+        return (
+            self.greedy_verify_kernel
+            and self.drafter is not None
+            and sampling.spec.max_drafts > 0
+            and sampling.all_greedy
+            and sampling.adjust is None
+            and sampling.logprobs is None
+        )
+
+    def _launch_greedy_verify(
+        self, logits: torch.Tensor, sampling: SamplingMetadata
+    ) -> SampledStep:
+        """`launch` for an all-greedy verify step: the argmax of every scored row,
+        one kernel for the acceptance, the emitted rows and the anchors, written
+        straight into the packed fetch, then the drafts after them."""
+        from atom.kernels.greedy_verify import greedy_verify
+
+        spec = sampling.spec
+        num_seqs, width = spec.draft_ids.shape[0], spec.max_drafts + 1
+        num_next = self.drafter.num_speculative_tokens
+        packed = torch.empty(
+            num_seqs, 2 + width + num_next, dtype=torch.long, device=logits.device
+        )
+        anchor_positions = greedy_verify(
+            logits.argmax(dim=-1),
+            spec.row_index,
+            spec.draft_ids,
+            spec.num_drafts,
+            sampling.positions,
+            packed,
+        )
+        drafts = self.drafter.propose(
+            packed[:, 1 + width], anchor_positions, spec.block_tables, sampling
+        )
+        packed[:, 2 + width :].copy_(drafts.ids)
+        return SampledStep(
+            sampling,
+            packed[:, 1 : 1 + width],
+            packed[:, 1 + width :],
+            packed[:, 0],
+            HostFetch([packed]),
+        )
 
     def store_draft_probs(
         self, sampling: SamplingMetadata, drafts: DraftOutput

@@ -128,11 +128,17 @@ def dspark_requests(stop: list[str]) -> list[tuple[int, str, SamplingParams]]:
     ]
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_async_scheduling_with_dspark_gives_the_synchronous_outputs(device):
+@pytest.mark.parametrize(
+    "device, kernels",
+    [("cpu", False), pytest.param("cpu", True, marks=pytest.mark.kernels)]
+    + [("cuda", True)] * ("cuda" in DEVICES),
+)
+def test_async_scheduling_with_dspark_gives_the_synchronous_outputs(device, kernels):
     """Verifies run ahead of their acceptance: the rejected drafts are taken back
     on the device, and every token, text and finish reason is the synchronous
-    engine's. On CUDA the verifies replay graphs."""
+    engine's. On CUDA the verifies replay graphs, and the pending rows and the
+    greedy verify take their one-launch kernels there (on CPU, with `kernels`,
+    through Triton's interpreter)."""
     settings = dict(
         ENGINE_SETTINGS,
         device=device,
@@ -147,6 +153,14 @@ def test_async_scheduling_with_dspark_gives_the_synchronous_outputs(device):
     for flag in (False, True):
         engine = LLMEngine(MODEL, async_scheduling=flag, **settings)
         try:
+            runner = engine.workers.runner
+            if flag and kernels and device == "cpu":
+                # Against the synchronous engine's torch path.
+                runner.bookkeeping_kernels = True
+                runner.step_sampler.greedy_verify_kernel = True
+            assert runner.bookkeeping_kernels == (
+                kernels and (flag or device == "cuda")
+            )
             outputs.append(serve(engine, None, dspark_requests(["will not"])))
             stats.append(engine.get_spec_decode_stats())
         finally:

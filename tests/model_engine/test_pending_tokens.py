@@ -6,6 +6,7 @@ import dataclasses
 import pytest
 import torch
 
+from atom.kernels import triton_available
 from atom.model_engine.batch import ScheduledBatch, SeqWork
 from atom.model_engine.model_inputs import build_step
 from atom.model_engine.pending_tokens import SampledTokens, pending_rows
@@ -28,9 +29,20 @@ def decode(seq_id: int, pending: bool = True, rows: int = 1, **fields) -> SeqWor
     )
 
 
-def filled(batch: ScheduledBatch, previous: SampledTokens) -> list[int]:
+@pytest.fixture(params=[False, True], ids=["torch", "kernel"])
+def kernel(request) -> bool:
+    """Whether PendingRows fills in one launch (atom/kernels/pending_fill.py, here
+    through Triton's interpreter) or with torch operators."""
+    if request.param:
+        if not triton_available(CPU):
+            pytest.skip("triton cannot run here")
+        request.applymarker(pytest.mark.kernels)
+    return request.param
+
+
+def filled(batch: ScheduledBatch, previous: SampledTokens, kernel: bool) -> list[int]:
     packed, layout = build_step(batch.work, BLOCK)
-    rows = pending_rows(batch, previous, BLOCK, CPU)
+    rows = pending_rows(batch, previous, BLOCK, CPU, kernel)
     if rows is not None:
         rows.fill(packed, layout, commit=lambda slots, rows: None)
     return packed[: layout.num_tokens].tolist()
@@ -42,9 +54,9 @@ def previous() -> SampledTokens:
     return SampledTokens(sampled, torch.tensor([[100], [101], [102]]), torch.zeros(3))
 
 
-def test_steady_decode_takes_the_tokens_in_order(previous):
+def test_steady_decode_takes_the_tokens_in_order(previous, kernel):
     batch = ScheduledBatch(2, [decode(10), decode(11), decode(12)])
-    assert filled(batch, previous) == [100, 101, 102]
+    assert filled(batch, previous, kernel) == [100, 101, 102]
 
 
 @pytest.mark.parametrize(
@@ -58,8 +70,8 @@ def test_steady_decode_takes_the_tokens_in_order(previous):
         ([decode(13, pending=False), decode(10), decode(11)], [9, 100, 101]),
     ],
 )
-def test_other_batches_take_each_sequences_own_token(previous, works, expected):
-    assert filled(ScheduledBatch(2, works), previous) == expected
+def test_other_batches_take_each_sequences_own_token(previous, works, expected, kernel):
+    assert filled(ScheduledBatch(2, works), previous, kernel) == expected
 
 
 def test_a_batch_without_pending_inputs_has_no_rows(previous):
@@ -70,7 +82,7 @@ def test_a_batch_without_pending_inputs_has_no_rows(previous):
 def test_a_pending_input_the_previous_batch_did_not_sample_is_refused(previous):
     batch = ScheduledBatch(2, [decode(13)])
     with pytest.raises(RuntimeError, match="did not sample it"):
-        filled(batch, previous)
+        filled(batch, previous, kernel=False)
 
 
 # ---- after a verify: T = 3 drafts, the context counted every draft accepted ----
@@ -81,8 +93,14 @@ def verified_previous(seq_ids: list[int], accepted: list[int]) -> SampledTokens:
     """The previous batch: each sequence verified T drafts and kept `accepted`;
     its next inputs are (anchor, T drafts) = 100 * seq + (0, 1, 2, 3)."""
     works = [decode(s, pending=False, rows=1 + T) for s in seq_ids]
-    next_inputs = torch.tensor([[100 * s + j for j in range(1 + T)] for s in seq_ids])
-    return SampledTokens(ScheduledBatch(1, works), next_inputs, torch.tensor(accepted))
+    # Views of one fetch row per sequence [accepted, emitted (1 + T), anchor,
+    # drafts], as StepSampler.launch leaves them.
+    fetch = torch.full((len(seq_ids), 3 + 2 * T), -1)
+    fetch[:, 0] = torch.tensor(accepted)
+    fetch[:, 2 + T :] = torch.tensor(
+        [[100 * s + j for j in range(1 + T)] for s in seq_ids]
+    )
+    return SampledTokens(ScheduledBatch(1, works), fetch[:, 2 + T :], fetch[:, 0])
 
 
 def resolved(work: SeqWork, previous: SampledTokens) -> SeqWork:
@@ -110,7 +128,7 @@ def sampling_of(works: list[SeqWork]) -> SamplingMetadata:
         ([12, 10], [2, 0, 3]),  # another order, one sequence gone
     ],
 )
-def test_rows_after_a_verify_take_back_the_rejected_drafts(order, accepted):
+def test_rows_after_a_verify_take_back_the_rejected_drafts(order, accepted, kernel):
     previous = verified_previous([10, 11, 12], accepted)
     # Contexts of 5 + 1 + T: the previous verify's rows all counted as accepted.
     works = [
@@ -122,7 +140,7 @@ def test_rows_after_a_verify_take_back_the_rejected_drafts(order, accepted):
 
     packed, layout = build_step(works, BLOCK)
     assert layout == expected_layout
-    rows = pending_rows(batch, previous, BLOCK, CPU)
+    rows = pending_rows(batch, previous, BLOCK, CPU, kernel)
     commits = []
     rows.fill(packed, layout, commit=lambda *given: commits.append(given))
     assert torch.equal(packed, expected)
@@ -138,7 +156,9 @@ def test_rows_after_a_verify_take_back_the_rejected_drafts(order, accepted):
     assert torch.equal(sampling.spec.draft_ids, want.spec.draft_ids)
 
 
-def test_a_first_verify_after_a_prefill_takes_its_drafts_and_commits_nothing():
+def test_a_first_verify_after_a_prefill_takes_its_drafts_and_commits_nothing(
+    kernel,
+):
     """A sequence whose previous batch sampled its prompt's last chunk verified no
     drafts there: its context is exact, only its rows are pending."""
     previous = verified_previous([10, 11], [0, 0])
@@ -150,7 +170,7 @@ def test_a_first_verify_after_a_prefill_takes_its_drafts_and_commits_nothing():
     expected, _ = build_step(truth, BLOCK)
     packed, layout = build_step(works, BLOCK)
     commits = []
-    rows = pending_rows(ScheduledBatch(2, works), previous, BLOCK, CPU)
+    rows = pending_rows(ScheduledBatch(2, works), previous, BLOCK, CPU, kernel)
     rows.fill(packed, layout, commit=lambda *given: commits.append(given))
     assert torch.equal(packed, expected)
     ((slots, snapshot_rows),) = commits

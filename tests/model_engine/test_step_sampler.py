@@ -192,3 +192,44 @@ def test_the_engine_keeps_draft_distributions_only_for_sampled_requests():
         torch.testing.assert_close(probs.sum(-1), torch.ones(2))
     finally:
         engine.close()
+
+
+@pytest.mark.kernels
+def test_the_greedy_verify_kernel_gives_the_torch_paths_tokens():
+    """A greedy DSpark engine with the one-launch verify (a GPU's default, here
+    through Triton's interpreter) emits the torch path's tokens and acceptance,
+    while prompts arrive between verify steps and a sampled request joins."""
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    sampled = SamplingParams(temperature=0.8, max_tokens=6, seed=5, ignore_eos=True)
+    arrivals = [(0, [5, 6, 7, 8], greedy), (0, [9, 10], greedy)]
+    arrivals += [(3, [11, 12, 13], greedy), (6, [14, 15], sampled)]
+    runs = []
+    for kernel in (False, True):
+        engine = spec_engine("tiny-kimi-k3", 3)
+        try:
+            step_sampler = engine.workers.runner.step_sampler
+            step_sampler.greedy_verify_kernel = kernel
+            launches = 0
+            launch = step_sampler._launch_greedy_verify
+
+            def counted(*args, launch=launch):
+                nonlocal launches
+                launches += 1
+                return launch(*args)
+
+            step_sampler._launch_greedy_verify = counted
+            pending, outputs, step = list(arrivals), {}, 0
+            while pending or engine.has_unfinished_requests():
+                while pending and pending[0][0] <= step:
+                    _, prompt, params = pending.pop(0)
+                    engine.add_request(prompt, params, request_id=str(len(pending)))
+                for out in engine.step():
+                    if out.finished:
+                        outputs[out.request_id] = out.output_token_ids
+                step += 1
+            runs.append((outputs, engine.scheduler.spec_stats.as_dict()))
+        finally:
+            engine.close()
+        # The kernel took every all-greedy verify step, and only with it on.
+        assert (launches > 5) if kernel else (launches == 0)
+    assert runs[0] == runs[1]
