@@ -388,7 +388,7 @@ class ModelRunner:
         self.last_sampling = sampling
         if pending is not None:
             pending.fix_sampling(sampling)
-        logits = self.model.compute_logits(hidden[sampling.logit_rows])
+        logits = self.model.compute_logits(sampling.scored_rows(hidden))
         sampled = self.step_sampler.launch(logits, sampling)
         self.sampled = SampledTokens(batch, sampled.next_inputs, sampled.accepted)
         return LaunchedStep(batch, sampled)

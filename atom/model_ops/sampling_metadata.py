@@ -112,6 +112,9 @@ class SamplingMetadata:
     adjust: LogitAdjustments | None = None
     # The rows whose emitted tokens' logprobs are reported; None when none.
     logprobs: LogprobRequest | None = None
+    # Every row of the forward is scored, in order (logit_rows is 0 .. N - 1):
+    # `scored_rows` then takes the hidden states as they are, without a gather.
+    scores_every_row: bool = False
     # Built for plain decode: every work samples its one row, without drafts,
     # adjustments or logprobs (the next such step over the same sequences reuses
     # these tensors: `from_works`'s `previous`).
@@ -124,6 +127,10 @@ class SamplingMetadata:
     @property
     def all_greedy(self) -> bool:
         return all(self.greedy_host)
+
+    def scored_rows(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The rows of the forward's hidden states [N, H] whose logits are scored."""
+        return hidden if self.scores_every_row else hidden[self.logit_rows]
 
     @classmethod
     def build(
@@ -140,6 +147,7 @@ class SamplingMetadata:
         logit_adjusts: Sequence[LogitAdjustWork | None] | None = None,
         logprobs: Sequence[int | None] | None = None,
         plain_decode: bool = False,
+        scores_every_row: bool = False,
     ) -> SamplingMetadata:
         """From host values, one per sequence (a scalar applies to all).
 
@@ -221,6 +229,7 @@ class SamplingMetadata:
             adjust=LogitAdjustments.build(logit_adjusts or [], device),
             logprobs=LogprobRequest.build(logprobs or [], device),
             plain_decode=plain_decode,
+            scores_every_row=scores_every_row,
         )
 
     @classmethod
@@ -280,6 +289,8 @@ class SamplingMetadata:
             logit_adjusts=[w.logit_adjust for w in sampled],
             logprobs=[w.logprobs for w in sampled],
             plain_decode=plain,
+            # The rows only ever increase, so as many as the forward's are all.
+            scores_every_row=len(logit_rows) == end,
         )
 
 

@@ -233,3 +233,15 @@ def test_the_greedy_verify_kernel_gives_the_torch_paths_tokens():
         # The kernel took every all-greedy verify step, and only with it on.
         assert (launches > 5) if kernel else (launches == 0)
     assert runs[0] == runs[1]
+
+
+def test_scored_rows_skip_the_gather_only_when_every_row_is_scored():
+    hidden = torch.randn(9, 4)
+    verify = [work(1, [8, 9], 10, drafts=1), work(2, [4, 11, 12], 20, drafts=2)]
+    mixed = [work(0, [5, 6, 7], 0), work(3, [3], 5, sample=False), *verify]
+    for works, everything in ((verify, True), (mixed, False)):
+        sampling = SamplingMetadata.from_works(works, "cpu", drafts_next=True)
+        rows = hidden[: sum(len(w.token_ids) for w in works)]
+        assert sampling.scores_every_row is everything
+        assert torch.equal(sampling.scored_rows(rows), rows[sampling.logit_rows])
+        assert (sampling.scored_rows(rows) is rows) is everything
