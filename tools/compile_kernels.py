@@ -170,7 +170,6 @@ def _specs() -> list[KernelSpec]:
                 dict(
                     IN_ORDER=in_order,
                     ONE_COUNT=in_order,
-                    REPAIR=True,
                     BLOCK_R=8,
                     BLOCK_Q=8,
                 ),

@@ -45,7 +45,6 @@ def _pending_fill_kernel(
     block_size,
     IN_ORDER: tl.constexpr,
     ONE_COUNT: tl.constexpr,
-    REPAIR: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_Q: tl.constexpr,
 ):
@@ -61,26 +60,25 @@ def _pending_fill_kernel(
     r_ok = r < rows
     tokens = tl.load(next_inputs_ptr + source * next_stride + r, r_ok)
     tl.store(packed_ptr + first + r, tokens, r_ok)  # input_ids lead the buffer
-    if REPAIR:
-        if ONE_COUNT:
-            unconfirmed = unconfirmed_all
-        else:
-            unconfirmed = tl.load(unconfirmed_ptr + p)
-        rejected = unconfirmed - tl.load(accepted_ptr + source * accepted_stride)
-        tl.store(rejected_ptr + p, rejected)
-        position_of = packed_ptr + positions_at + first + r
-        positions = tl.load(position_of, r_ok) - rejected
-        tl.store(position_of, positions, r_ok)
-        table = packed_ptr + tables_at + work * table_width
-        blocks = tl.load(table + positions // block_size, r_ok, other=0)
-        slots = blocks * block_size + positions % block_size
-        tl.store(packed_ptr + slots_at + first + r, slots, r_ok)
-        context_of = packed_ptr + context_at + work
-        tl.store(context_of, tl.load(context_of) - rejected)
-        q = tl.arange(0, BLOCK_Q)
-        q_ok = q < query_width
-        query_of = packed_ptr + query_at + work * query_width + q
-        tl.store(query_of, tl.load(query_of, q_ok) - rejected, q_ok)
+    if ONE_COUNT:
+        unconfirmed = unconfirmed_all
+    else:
+        unconfirmed = tl.load(unconfirmed_ptr + p)
+    rejected = unconfirmed - tl.load(accepted_ptr + source * accepted_stride)
+    tl.store(rejected_ptr + p, rejected)
+    position_of = packed_ptr + positions_at + first + r
+    positions = tl.load(position_of, r_ok) - rejected
+    tl.store(position_of, positions, r_ok)
+    table = packed_ptr + tables_at + work * table_width
+    blocks = tl.load(table + positions // block_size, r_ok, other=0)
+    slots = blocks * block_size + positions % block_size
+    tl.store(packed_ptr + slots_at + first + r, slots, r_ok)
+    context_of = packed_ptr + context_at + work
+    tl.store(context_of, tl.load(context_of) - rejected)
+    q = tl.arange(0, BLOCK_Q)
+    q_ok = q < query_width
+    query_of = packed_ptr + query_at + work * query_width + q
+    tl.store(query_of, tl.load(query_of, q_ok) - rejected, q_ok)
 
 
 def pending_fill(
@@ -91,17 +89,16 @@ def pending_fill(
     accepted: torch.Tensor,
     rows: int,
     selection: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | int,
-    unconfirmed: torch.Tensor | int | None,
-) -> torch.Tensor | None:
-    """`PendingRows.fill`'s writes to the step buffer `packed`; the rejected drafts
-    of each pending work [P] (None without a verify to repair).
+    unconfirmed: torch.Tensor | int,
+) -> torch.Tensor:
+    """`PendingRows.fill`'s writes to the step buffer `packed` after a verify; the
+    drafts each pending work's context counted but the verify rejected [P].
 
     next_inputs [S', 1 + T] and accepted [S'] are the previous batch's (any row
     stride); every pending work takes `rows` inputs. `selection` is either the
     count P of works leading both batches in one order (steady decode), or
     (works, first token rows, sources) [P] long device tensors. `unconfirmed` is
-    the drafts each work's context counted as accepted: one int for all, a [P]
-    tensor, or None when no work verified drafts.
+    the drafts each work's context counted as accepted: one int for all, or [P].
     """
     if next_inputs.shape[1] < rows or (rows > 1 and next_inputs.stride(1) != 1):
         raise ValueError(
@@ -112,10 +109,9 @@ def pending_fill(
     works, firsts, sources = (packed,) * 3 if in_order else selection
     count = selection if in_order else works.shape[0]
     one_count = not isinstance(unconfirmed, torch.Tensor)
-    repair = unconfirmed is not None
     rejected = torch.empty(count, dtype=torch.long, device=packed.device)
     if count == 0:
-        return rejected if repair else None
+        return rejected
     table_width = layout.shape("block_tables")[1]
     query_width = layout.shape("query_positions")[1]
     _pending_fill_kernel[(count,)](
@@ -128,7 +124,7 @@ def pending_fill(
         packed if one_count else unconfirmed,
         rejected,
         rows,
-        unconfirmed if one_count and repair else 0,
+        unconfirmed if one_count else 0,
         next_inputs.stride(0),
         accepted.stride(0),
         layout.offset("positions"),
@@ -141,8 +137,7 @@ def pending_fill(
         block_size,
         IN_ORDER=in_order,
         ONE_COUNT=one_count,
-        REPAIR=repair,
         BLOCK_R=triton.next_power_of_2(rows),
         BLOCK_Q=triton.next_power_of_2(query_width),
     )
-    return rejected if repair else None
+    return rejected

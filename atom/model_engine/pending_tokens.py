@@ -80,7 +80,8 @@ class PendingRows:
         # The drafts each pending work's context counted as accepted (one count
         # for all, or [P]); None when no work verified drafts there.
         self.unconfirmed = unconfirmed
-        # One launch for the step buffer's writes (atom/kernels/pending_fill.py).
+        # One launch for the step buffer's writes after a verify
+        # (atom/kernels/pending_fill.py).
         self.kernel = kernel
         # [P] of those drafts the previous batch rejected, once `fill` has run.
         self.rejected: torch.Tensor | None = None
@@ -91,12 +92,14 @@ class PendingRows:
         """Write the pending inputs into the step buffer `packed`, commit each
         verified sequence's state to its last accepted row (`commit`: slots, rows)
         and take the rejected rows back from positions, slots and context lengths."""
+        if self.unconfirmed is None:
+            # Inputs only (one copy), as after a plain decode step.
+            self._fill_with_torch(packed, layout)
+            return
         if self.kernel:
             self._fill_in_one_launch(packed, layout)
         else:
             self._fill_with_torch(packed, layout)
-        if self.unconfirmed is None:
-            return
         at, slots_at = self.at, layout.offset("state_slots")
         state_slots = packed[slots_at : slots_at + layout.num_seqs]
         commit(state_slots[at.committed], self.previous.accepted[at.committed_sources])
