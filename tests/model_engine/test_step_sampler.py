@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from atom import LLMEngine, SamplingParams
+from atom.kernels import triton_available
 from atom.model_engine.batch import SeqWork
 from atom.model_engine.step_sampler import StepSampler
 from atom.model_ops.rejection_sampler import verify_drafts
@@ -199,6 +200,8 @@ def test_the_greedy_verify_kernel_gives_the_torch_paths_tokens():
     """A greedy DSpark engine with the one-launch verify (a GPU's default, here
     through Triton's interpreter) emits the torch path's tokens and acceptance,
     while prompts arrive between verify steps and a sampled request joins."""
+    if not triton_available("cpu"):
+        pytest.skip("triton cannot run on the CPU here (no TRITON_INTERPRET=1)")
     greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     sampled = SamplingParams(temperature=0.8, max_tokens=6, seed=5, ignore_eos=True)
     arrivals = [(0, [5, 6, 7, 8], greedy), (0, [9, 10], greedy)]
