@@ -175,6 +175,43 @@ def _specs() -> list[KernelSpec]:
                 ),
             )
         )
+    # DSpark's greedy Markov chain (K3.1's rank 256; the tiny drafts' 16).
+    for w, block_v, block_r in (("*bf16", 32, 256), ("*fp32", 512, 16)):
+        specs.append(
+            KernelSpec(
+                "markov_drafts",
+                "_markov_scores_kernel",
+                dict(
+                    base_ptr="*fp32",
+                    prev_ptr="*i64",
+                    w1_ptr=w,
+                    w2_ptr=w,
+                    best_ptr="*fp32",
+                    where_ptr="*i32",
+                    **dict.fromkeys(
+                        "num_seqs vocab rank num_blocks stride_base stride_prev "
+                        "stride_w1 stride_w2".split(),
+                        "i32",
+                    ),
+                ),
+                dict(BLOCK_V=block_v, BLOCK_R=block_r),
+            )
+        )
+    specs.append(
+        KernelSpec(
+            "markov_drafts",
+            "_markov_pick_kernel",
+            dict(
+                best_ptr="*fp32",
+                where_ptr="*i32",
+                out_ptr="*i64",
+                num_blocks="i32",
+                vocab="i32",
+                stride_out="i32",
+            ),
+            dict(BLOCK_B=1024),
+        )
+    )
     for dt in ("fp32", "bf16"):
         specs += _per_dtype_specs(dt)
     return specs

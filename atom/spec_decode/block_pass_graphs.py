@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from atom.kernels import triton_available
 from atom.spec_decode.markov_head import greedy_drafts
 from atom.utils.graph_capture import capture_graph
 
@@ -49,8 +50,16 @@ def block_pass_and_greedy_drafts(
     tables: torch.Tensor,
     num_rows: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """What a block-pass graph captures: base logits and their greedy drafts."""
+    """What a block-pass graph captures: base logits and their greedy drafts (on a
+    GPU the Markov chain in two launches a draft, `kernels/markov_drafts.py`)."""
     logits = draft.block_forward(anchors, positions, tables, num_rows)
+    if logits.is_cuda and triton_available(logits.device):
+        from atom.kernels.markov_drafts import markov_greedy_drafts
+
+        head = draft.markov_head
+        return logits, markov_greedy_drafts(
+            logits, anchors, head.markov_w1.weight, head.markov_w2.weight
+        )
     return logits, greedy_drafts(logits, anchors, draft.markov_bias)
 
 
