@@ -142,7 +142,9 @@ class PendingRows:
         at = self.at
         if self.unconfirmed is not None:
             if self.rejected is None:
-                raise RuntimeError("fix_sampling runs after fill, which it follows")
+                raise RuntimeError(
+                    "fix_sampling needs the rejected counts: run fill first"
+                )
             sampling.positions[at.works] -= self.rejected
         if self.num_rows > 1:
             drafts = self.previous.next_inputs[at.sources, 1 : self.num_rows]
