@@ -257,10 +257,14 @@ class EngineSettings:
     # (model_engine/run_ahead.py); tp = pp = 1 without speculation or P/D. None: on
     # wherever it runs on a GPU (on CPU the host is the device: nothing overlaps).
     async_scheduling: bool | None = None
-    # Capture decode steps as CUDA graphs (CUDA only); True runs every step eagerly.
+    # Capture decode steps and short prefills as CUDA graphs (CUDA only); True runs
+    # every step eagerly.
     enforce_eager: bool = False
     # Batch sizes to capture; None: the default ladder up to max_num_seqs.
     cudagraph_capture_sizes: list[int] | None = None
+    # Token counts of one-prompt prefills to capture (model_engine/cuda_graph.py);
+    # None: the default ladder, []: none.
+    prefill_capture_sizes: list[int] | None = None
     kv_role: str = "none"
     # JSON text or object (`kv_transfer/config.py`); None: no KV moves between engines.
     kv_transfer_config: str | dict | None = None

@@ -262,7 +262,7 @@ def profile_host(
 
 
 def time_replay_buffer(batch: int, table_width: int, block_size: int = 16) -> None:
-    """The step buffer of a graph replay (`DecodeGraphs.run`): decode rows, tables
+    """The step buffer of a graph replay (`StepGraphs.run`): decode rows, tables
     padded to the graph's fixed width, built on the host every decode step."""
     works = [
         SeqWork(

@@ -104,17 +104,27 @@ def _online_quant_config(text: str) -> str:
     return text
 
 
-def _capture_sizes(text: str) -> list[int]:
-    """'[1,2,4]' or '1,2,4' -> [1, 2, 4] (ATOM writes a list literal)."""
+def _prefill_capture_sizes(text: str) -> list[int]:
+    """'[16,64]' or '16,64' -> [16, 64] (ATOM writes a list literal); '[]' -> []."""
     try:
         sizes = [int(part) for part in text.strip("[] ").split(",") if part.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"capture sizes must be a list of integers like '[1,2,4]', got {text!r}"
         ) from None
-    if not sizes or any(size < 1 for size in sizes):
+    if any(size < 1 for size in sizes):
         raise argparse.ArgumentTypeError(
             f"capture sizes must be positive integers, got {text!r}"
+        )
+    return sizes
+
+
+def _capture_sizes(text: str) -> list[int]:
+    """'[1,2,4]' or '1,2,4' -> [1, 2, 4]; at least one size."""
+    sizes = _prefill_capture_sizes(text)
+    if not sizes:
+        raise argparse.ArgumentTypeError(
+            f"capture sizes must name at least one size, got {text!r}"
         )
     return sizes
 
@@ -224,6 +234,13 @@ class EngineArgs(EngineSettings):
             default=None,
             help="decode batch sizes to capture as CUDA graphs, e.g. '[1,2,4,8]' "
             "(default: 1, 2, 4, 8, 16, 24, 32, 48, ... up to --max-num-seqs)",
+        )
+        parser.add_argument(
+            "--prefill-capture-sizes",
+            type=_prefill_capture_sizes,
+            default=None,
+            help="token counts of one-prompt prefills to capture as CUDA graphs, "
+            "e.g. '[16,64]'; '[]' captures none (default: 16, 32, 64, 128, 256)",
         )
         parser.add_argument(
             "--enable-prefix-caching",

@@ -1,28 +1,35 @@
-"""CUDA graphs of one pipeline stage's decode forward, for a ladder of batch sizes.
+"""CUDA graphs of one pipeline stage's forward, for a ladder of step shapes.
 
-A decode step (one row per sequence, or the k + 1 rows of a speculative verify) has
-shapes that depend only on the batch size, so each stage captures its own forward
-once per (batch size, rows per sequence) at start-up and replays it: one launch
-instead of hundreds. A batch is padded with dummy sequences up to the next captured
-size; they write to a scratch KV slot and a scratch state slot that no request owns.
+Two kinds of step have shapes that a few sizes cover, so each stage captures its
+forward once per shape at start-up and replays it: one launch instead of hundreds.
+- A decode step (one row per sequence, or the k + 1 rows of a speculative verify),
+  per (batch size, rows per sequence): a batch is padded with dummy sequences up
+  to the next captured size.
+- A short prefill of one fresh prompt, per token count: the prompt's rows come
+  first and one dummy sequence takes the rows up to the captured count, so every
+  shape of the step (rows, sequences, query width) is the capture's. At these
+  sizes an eager prefill is host work all through (hundreds of launches for a
+  millisecond or two of kernels); the attention and KDA paths it takes are the
+  eager ones for that shape (`attention_backend.py`, `kda_backend.py`).
+Dummy sequences write to a scratch KV slot and a scratch state slot that no request
+owns, start from a zero state, and no real row attends to them.
 
 Every input of a captured forward lives in a static buffer that replay refills: token
 ids, positions, the attention metadata tensors and, on a non-first stage, the
 previous stage's payload. Block tables have a fixed width, enough for a sequence of
-`max_model_len` tokens plus the drafter's rows; attention reads that whole width, so
-a tight `--max-model-len` makes decode cheaper.
+`max_model_len` tokens plus the drafter's rows.
 
 `after_forward`, when given, is captured with the forward and runs on its positions
 and slot mapping: the DSpark drafter writes its context rows from the taps there
-(padding rows land in the scratch slot), so a verify step's draft-side writes are
-part of the same replay.
+(padding rows land in the scratch slot), so a step's draft-side writes are part of
+the same replay.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +51,10 @@ from atom.utils.graph_capture import capture_graph
 logger = logging.getLogger(__name__)
 
 DEFAULT_CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+# Token counts of the short prefills captured by default. The largest is the KDA
+# backend's longest prefill on its decode kernels (`TritonKDABackend`): past it a
+# prompt takes fla's chunked kernels, and its GPU time outweighs the host's anyway.
+DEFAULT_PREFILL_CAPTURE_SIZES = (16, 32, 64, 128, 256)
 
 
 def capture_sizes(requested: list[int] | None, max_num_seqs: int) -> list[int]:
@@ -52,6 +63,111 @@ def capture_sizes(requested: list[int] | None, max_num_seqs: int) -> list[int]:
     sizes = sorted({s for s in (requested or DEFAULT_CAPTURE_SIZES) if s >= 1})
     kept = [s for s in sizes if s < max_num_seqs]
     return [*kept, max_num_seqs]
+
+
+def prefill_capture_sizes(requested: list[int] | None, max_tokens: int) -> list[int]:
+    """The prefill token counts to capture: the requested ones (or the default
+    ladder; [] captures none) that a step may hold (`max_tokens`)."""
+    sizes = DEFAULT_PREFILL_CAPTURE_SIZES if requested is None else requested
+    return sorted({s for s in sizes if 1 <= s <= max_tokens})
+
+
+@dataclass(frozen=True)
+class DecodeShape:
+    """`batch_size` sequences (padding included) of `query_len` rows each, every
+    row after a sequence's first a draft under verification."""
+
+    batch_size: int
+    query_len: int
+
+    @property
+    def num_rows(self) -> int:
+        return self.batch_size * self.query_len
+
+    def padding(self, kv_slot: int, state_slot: int) -> SeqPadding:
+        return SeqPadding(self.batch_size, kv_slot, state_slot)
+
+    def dummy(self, table_width: int, state_slot: int) -> SeqWork:
+        """The continuing sequence a capture of this shape runs."""
+        return SeqWork(
+            seq_id=0,
+            token_ids=[0] * self.query_len,
+            context_len=1,
+            block_table=[0] * table_width,
+            state_slot=state_slot,
+            sample=False,
+            num_drafts=self.query_len - 1,
+        )
+
+
+@dataclass(frozen=True)
+class PrefillShape:
+    """One fresh prompt in `num_tokens` rows: all of them (`padded` False), or
+    fewer, with one dummy sequence holding the rest."""
+
+    num_tokens: int
+    padded: bool
+
+    @property
+    def num_rows(self) -> int:
+        return self.num_tokens
+
+    def padding(self, kv_slot: int, state_slot: int) -> SeqPadding:
+        return SeqPadding(1 + self.padded, kv_slot, state_slot, self.num_tokens)
+
+    def dummy(self, table_width: int, state_slot: int) -> SeqWork:
+        """The prompt a capture of this shape runs."""
+        return SeqWork(
+            seq_id=0,
+            token_ids=[0] * (self.num_tokens - self.padded),
+            context_len=0,
+            block_table=[0] * table_width,
+            state_slot=state_slot,
+            sample=False,
+        )
+
+
+GraphShape = DecodeShape | PrefillShape
+
+
+def graph_shape_for(
+    works: list[SeqWork], shapes: Iterable[GraphShape], table_width: int
+) -> GraphShape | None:
+    """The smallest of `shapes` that runs this batch, or None (run it eagerly).
+    Every sequence's block table must fit the captured `table_width`."""
+    first = works[0]
+    if first.context_len == 0:
+        # One fresh prompt with nothing to verify: a short prefill.
+        if len(works) > 1 or first.num_drafts or len(first.block_table) > table_width:
+            return None
+        rows = first.num_rows
+        fitting = [
+            shape
+            for shape in shapes
+            if isinstance(shape, PrefillShape)
+            and shape.num_tokens >= rows
+            and shape.padded == (shape.num_tokens > rows)
+        ]
+        return min(fitting, key=lambda shape: shape.num_tokens, default=None)
+    # Decode: every sequence continues with the same rows, and rows beyond the
+    # first are all drafts under verification (one pass: this runs every step).
+    query_len = first.num_rows
+    for work in works:
+        if (
+            work.num_rows != query_len
+            or work.context_len == 0
+            or work.num_drafts != query_len - 1
+            or len(work.block_table) > table_width
+        ):
+            return None
+    fitting = [
+        shape
+        for shape in shapes
+        if isinstance(shape, DecodeShape)
+        and shape.query_len == query_len
+        and shape.batch_size >= len(works)
+    ]
+    return min(fitting, key=lambda shape: shape.batch_size, default=None)
 
 
 @dataclass
@@ -65,14 +181,13 @@ class _Capture:
     output: torch.Tensor | IntermediateTensors
 
 
-class DecodeGraphs:
-    """Captured decode forwards of `model` for `sizes` x `query_lens`."""
+class StepGraphs:
+    """Captured forwards of `model`, one per shape of `shapes`."""
 
     def __init__(
         self,
         model: nn.Module,
-        sizes: list[int],
-        query_lens: list[int],
+        shapes: list[GraphShape],
         block_size: int,
         table_width: int,
         padding_slots: tuple[int, int],
@@ -83,38 +198,37 @@ class DecodeGraphs:
     ) -> None:
         self.model = model
         self.after_forward = after_forward
-        self.sizes = sorted(sizes)
-        self.query_lens = sorted(set(query_lens))
         self.block_size = block_size
         self.table_width = table_width
         self.kv_slot, self.state_slot = padding_slots
         self.device = device
-        max_rows = self.sizes[-1] * self.query_lens[-1]
+        max_rows = max(shape.num_rows for shape in shapes)
         self.payload = None
         if not is_first_stage:
             self.payload = model.make_empty_intermediate_tensors(
                 max_rows, dtype, device
             )
-        self.captures: dict[tuple[int, int], _Capture] = {}
+        self.captures: dict[GraphShape, _Capture] = {}
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
-        for query_len in reversed(self.query_lens):
-            for size in reversed(self.sizes):
-                capture = self._capture(size, query_len, pool)
-                if capture is not None:
-                    self.captures[(size, query_len)] = capture
+        # Largest first: the smaller captures then fit in the pool's blocks.
+        for shape in sorted(shapes, key=lambda shape: shape.num_rows, reverse=True):
+            capture = self._capture(shape, pool)
+            if capture is not None:
+                self.captures[shape] = capture
         logger.info(
-            "captured %d of %d decode graphs in %.1f s (first runs of a shape "
-            "compile its kernels): batch sizes %s x rows per sequence %s",
+            "captured %d of %d graphs in %.1f s (first runs of a shape compile its "
+            "kernels): decode %s, prefill tokens %s",
             len(self.captures),
-            len(self.sizes) * len(self.query_lens),
+            len(shapes),
             time.perf_counter() - start,
-            self.sizes,
-            self.query_lens,
+            sorted(
+                (s.batch_size, s.query_len)
+                for s in shapes
+                if isinstance(s, DecodeShape)
+            ),
+            sorted({s.num_tokens for s in shapes if isinstance(s, PrefillShape)}),
         )
-
-    def _padding(self, size: int) -> SeqPadding:
-        return SeqPadding(size, self.kv_slot, self.state_slot)
 
     def _payload(self, rows: int) -> IntermediateTensors | None:
         if self.payload is None:
@@ -123,25 +237,16 @@ class DecodeGraphs:
             {key: value[:rows] for key, value in self.payload.items()}
         )
 
-    def _capture(self, size: int, query_len: int, pool) -> _Capture | None:
-        # One continuing sequence on the scratch slots, padded to `size`: the
-        # capture's layout is the one every replay of this key builds.
-        dummy = SeqWork(
-            seq_id=0,
-            token_ids=[0] * query_len,
-            context_len=1,
-            block_table=[0] * self.table_width,
-            state_slot=self.state_slot,
-            sample=False,
-            num_drafts=query_len - 1,
-        )
-        packed, layout = build_step(
-            [dummy], self.block_size, self.table_width, self._padding(size)
-        )
+    def _capture(self, shape: GraphShape, pool) -> _Capture | None:
+        # The shape's dummy sequence on the scratch slots, padded as every replay
+        # of this shape is: the capture's layout is the one they build.
+        padding = shape.padding(self.kv_slot, self.state_slot)
+        dummy = shape.dummy(self.table_width, self.state_slot)
+        packed, layout = build_step([dummy], self.block_size, self.table_width, padding)
         packed = packed.to(self.device)
         ids, positions, metadata = view_step(packed, layout)
         metadata.slot_mapping.fill_(self.kv_slot)
-        payload = self._payload(size * query_len)
+        payload = self._payload(shape.num_rows)
 
         def forward() -> torch.Tensor | IntermediateTensors:
             output = self.model(ids, positions, payload)
@@ -150,52 +255,33 @@ class DecodeGraphs:
             return output
 
         with set_forward_context(ForwardContext(metadata)):
-            captured = capture_graph(
-                forward,
-                pool,
-                self.device,
-                f"the decode forward at batch size {size} x {query_len} rows",
-            )
+            captured = capture_graph(forward, pool, self.device, f"the {shape}")
         if captured is None:
             return None
         graph, output = captured
         return _Capture(graph, packed, layout, metadata.slot_mapping, positions, output)
 
-    def size_for(self, works: list[SeqWork]) -> tuple[int, int] | None:
-        """The capture that runs this batch, or None (run it eagerly).
-
-        Decode batches only: every sequence continues (context > 0) with the same
-        rows, and rows beyond the first are all drafts under verification.
-        """
-        query_len = works[0].num_rows
-        for work in works:
-            if work.num_rows != query_len or work.context_len == 0:
-                return None
-            if work.num_drafts != query_len - 1:
-                return None
-            if len(work.block_table) > self.table_width:
-                return None
-        # The smallest capture that holds the batch; a size whose capture failed
-        # at start-up is simply absent.
-        fitting = [
-            key for key in self.captures if key[1] == query_len and key[0] >= len(works)
-        ]
-        return min(fitting, default=None)
+    def shape_for(self, works: list[SeqWork]) -> GraphShape | None:
+        """The capture that runs this batch, or None (run it eagerly); a shape
+        whose capture failed at start-up is simply absent."""
+        return graph_shape_for(works, self.captures, self.table_width)
 
     def run(
         self,
-        key: tuple[int, int],
+        shape: GraphShape,
         works: list[SeqWork],
         intermediate: IntermediateTensors | None,
         fill: InputFiller | None = None,
     ) -> tuple[torch.Tensor | IntermediateTensors, torch.Tensor, torch.Tensor]:
-        """Replay the capture `key` for `works`: (output rows, positions and slot
-        mapping of the real sequences' rows, which come first). `fill` writes the
-        pending rows (pending_tokens.py) into the static buffer first."""
-        size, query_len = key
-        capture = self.captures[key]
+        """Replay the capture of `shape` for `works`: (output rows, positions and
+        slot mapping of the real sequences' rows, which come first). `fill` writes
+        the pending rows (pending_tokens.py) into the static buffer first."""
+        capture = self.captures[shape]
         packed, layout = build_step(
-            works, self.block_size, self.table_width, self._padding(size)
+            works,
+            self.block_size,
+            self.table_width,
+            shape.padding(self.kv_slot, self.state_slot),
         )
         if layout != capture.layout:
             raise RuntimeError(
@@ -205,7 +291,7 @@ class DecodeGraphs:
         capture.packed.copy_(pinned(packed), non_blocking=True)
         if fill is not None:
             fill(capture.packed, capture.layout)
-        num_rows = len(works) * query_len
+        num_rows = sum(work.num_rows for work in works)
         if intermediate is not None:
             static = self._payload(num_rows)
             for name, value in intermediate.items():

@@ -7,10 +7,14 @@ runs, each on dummy rows that write only there:
   longer than max_model_len);
 - the largest decode step: max_num_seqs sequences of T + 1 rows at the full block
   table width (what the captured graphs allocate), through the LM head;
+- with graphs, the largest captured short prefill (one prompt and the dummy
+  sequence that pads it, `cuda_graph.PrefillShape`);
 - on a proposing last stage, DSpark's block pass at max_num_seqs.
 Each step's activation peak is measured on its own. Captured graphs keep their
 pools for the engine's life, beside the eager allocator's cached blocks, so with
-graphs the decode and block-pass peaks are counted on top of the prefill's.
+graphs the captured steps' peaks (the larger of the decode step's and the short
+prefill's, as the target's captures share one pool) and the block pass's are
+counted on top of the prefill's.
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from atom.model_engine.batch import SeqWork
-from atom.model_engine.model_inputs import prepare_inputs
+from atom.model_engine.cuda_graph import PrefillShape
+from atom.model_engine.model_inputs import SeqPadding, prepare_inputs
 from atom.utils.arithmetic import ceil_div
 from atom.utils.forward_context import ForwardContext, set_forward_context
 
@@ -40,6 +45,7 @@ class ActivationPeaks:
     """Peak bytes above the weights of each profiled step."""
 
     prefill: int
+    # The largest captured target step: decode, or with graphs a short prefill.
     decode: int
     block_pass: int
 
@@ -62,9 +68,13 @@ def _dummy(length: int, context_len: int, width: int, runner: ModelRunner) -> Se
     )
 
 
-def _forward(runner: ModelRunner, works: list[SeqWork]) -> torch.Tensor:
+def _forward(
+    runner: ModelRunner, works: list[SeqWork], padding: SeqPadding | None = None
+) -> torch.Tensor:
+    limits = runner.limits
+    width = limits.max_blocks_per_seq if padding is not None else None
     ids, positions, metadata = prepare_inputs(
-        works, runner.limits.block_size, runner.device
+        works, limits.block_size, runner.device, width, padding
     )
     # Every row lands on the scratch block, whatever the tables say.
     metadata.slot_mapping.fill_(runner.cache.scratch_kv_slot)
@@ -102,6 +112,20 @@ def profile_decode(runner: ModelRunner) -> None:
     _forward(runner, works)
 
 
+def profile_short_prefill(runner: ModelRunner) -> None:
+    shapes = [s for s in runner.graph_shapes() if isinstance(s, PrefillShape)]
+    if not shapes:
+        return
+    shape = max(shapes, key=lambda s: (s.num_tokens, s.padded))
+    cache = runner.cache
+    work = shape.dummy(runner.limits.max_blocks_per_seq, cache.scratch_state_slot)
+    _forward(
+        runner,
+        [work],
+        shape.padding(cache.scratch_kv_slot, cache.scratch_state_slot),
+    )
+
+
 def profile_block_pass(runner: ModelRunner) -> None:
     if runner.proposer is None:
         return
@@ -124,14 +148,20 @@ def _peak_above(step, runner: ModelRunner, base: int) -> int:
 
 
 @torch.inference_mode()
-def measure_activation_peaks(runner: ModelRunner) -> ActivationPeaks:
+def measure_activation_peaks(
+    runner: ModelRunner, with_graphs: bool = False
+) -> ActivationPeaks:
     """Run the profile steps on `runner` (its cache must be the scratch-only one)
     and return their peaks; the eager allocator's blocks are released after."""
     torch.cuda.synchronize(runner.device)
     base = torch.cuda.memory_allocated(runner.device)
+    prefill = _peak_above(profile_prefill, runner, base)
+    decode = _peak_above(profile_decode, runner, base)
+    if with_graphs:
+        decode = max(decode, _peak_above(profile_short_prefill, runner, base))
     peaks = ActivationPeaks(
-        prefill=_peak_above(profile_prefill, runner, base),
-        decode=_peak_above(profile_decode, runner, base),
+        prefill=prefill,
+        decode=decode,
         block_pass=_peak_above(profile_block_pass, runner, base),
     )
     torch.cuda.empty_cache()
@@ -149,7 +179,7 @@ def kv_budget_bytes(
     other processes)."""
     device = runner.device
     start = time.perf_counter()
-    peaks = measure_activation_peaks(runner)
+    peaks = measure_activation_peaks(runner, with_graphs)
     free, total = torch.cuda.mem_get_info(device)
     weights = torch.cuda.memory_allocated(device)
     foreign = max(0, total - free - torch.cuda.memory_reserved(device))

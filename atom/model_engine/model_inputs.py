@@ -22,16 +22,39 @@ from atom.utils.forward_context import AttentionMetadata
 
 @dataclass(frozen=True)
 class SeqPadding:
-    """Dummy sequences that fill a batch up to a captured graph's size.
+    """Dummy sequences that fill a batch up to a captured graph's shape.
 
-    Each has the batch's rows per sequence, writes its KV rows to `kv_slot` and its
-    recurrent state to `state_slot` (scratch places no request owns), starts from a
-    zero state and reads block 0 under the causal mask.
+    Each writes its KV rows to `kv_slot` and its recurrent state to `state_slot`
+    (scratch places no request owns), starts from a zero state and reads block 0
+    under the causal mask. Without `num_tokens` each has the batch's rows per
+    sequence (decode). With it the dummies hold the rows the batch leaves up to
+    `num_tokens` (one each, the first the rest), and the query width is
+    `num_tokens` whatever the real lengths, so the step's every shape depends on
+    (num_seqs, num_tokens) alone (a short prefill).
     """
 
     num_seqs: int
     kv_slot: int
     state_slot: int
+    num_tokens: int | None = None
+
+    def dummy_lengths(self, lengths: list[int]) -> list[int]:
+        """Rows of each dummy sequence after real sequences of `lengths`."""
+        extra = self.num_seqs - len(lengths)
+        if self.num_tokens is None:
+            if extra < 0 or len(set(lengths)) != 1:
+                raise ValueError(
+                    f"padding to {self.num_seqs} sequences needs at most that many "
+                    f"sequences of one length, got lengths {lengths}"
+                )
+            return [lengths[0]] * extra
+        left = self.num_tokens - sum(lengths)
+        if extra < 0 or left < extra or (extra == 0 and left):
+            raise ValueError(
+                f"padding to {self.num_seqs} sequences of {self.num_tokens} rows "
+                f"cannot follow sequences of lengths {lengths}"
+            )
+        return [left - extra + 1] + [1] * (extra - 1) if extra else []
 
 
 @dataclass(frozen=True)
@@ -123,18 +146,15 @@ def build_step(
     tables = [work.block_table for work in works]
     _check_works(works, block_size)
     num_real_rows = len(token_ids)
+    query_width = None
     if padding is not None:
-        extra = padding.num_seqs - len(works)
-        if extra < 0 or len(set(lengths)) != 1:
-            raise ValueError(
-                f"padding to {padding.num_seqs} sequences needs at most that many "
-                f"sequences of one length, got lengths {lengths}"
-            )
-        token_ids += [0] * (extra * lengths[0])
-        lengths += [lengths[0]] * extra
-        context_lens += [0] * extra
-        state_slots += [padding.state_slot] * extra
-        tables += [[]] * extra
+        dummies = padding.dummy_lengths(lengths)
+        token_ids += [0] * sum(dummies)
+        lengths += dummies
+        context_lens += [0] * len(dummies)
+        state_slots += [padding.state_slot] * len(dummies)
+        tables += [[]] * len(dummies)
+        query_width = padding.num_tokens
     width = max(len(table) for table in tables)
     if table_width is not None:
         if table_width < width:
@@ -142,7 +162,8 @@ def build_step(
                 f"table_width={table_width} is shorter than a block table of {width}"
             )
         width = table_width
-    num_seqs, num_tokens, max_query_len = len(lengths), len(token_ids), max(lengths)
+    num_seqs, num_tokens = len(lengths), len(token_ids)
+    max_query_len = query_width or max(lengths)
     uniform = all(n == max_query_len for n in lengths)
 
     # numpy, not torch, for these small integer arrays: each torch op on the host

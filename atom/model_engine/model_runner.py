@@ -27,7 +27,14 @@ from atom.kv_transfer.connector import KVConnectorWorker
 from atom.kv_transfer.regions import RankLayout
 from atom.model_engine.batch import BatchOutput, ScheduledBatch, SeqWork
 from atom.model_engine.cache_engine import CacheEngine
-from atom.model_engine.cuda_graph import DecodeGraphs, capture_sizes
+from atom.model_engine.cuda_graph import (
+    DecodeShape,
+    GraphShape,
+    PrefillShape,
+    StepGraphs,
+    capture_sizes,
+    prefill_capture_sizes,
+)
 from atom.model_engine.memory_ledger import log_memory_ledger, memory_ledger
 from atom.model_engine.memory_profile import kv_budget_bytes
 from atom.model_engine.model_inputs import prepare_inputs
@@ -112,7 +119,7 @@ class ModelRunner:
         # The last step's sampling metadata, whose tensors steady decode reuses.
         self.last_sampling: SamplingMetadata | None = None
         self.cache: CacheEngine | None = None
-        self.graphs: DecodeGraphs | None = None
+        self.graphs: StepGraphs | None = None
         self.use_graphs = self._can_capture_graphs()
         # P/D (kv_transfer/rank_calls.py): set once the caches are registered.
         self.kv_connector: KVConnectorWorker | None = None
@@ -232,19 +239,39 @@ class ModelRunner:
             logger.info("running eagerly: %s", "; ".join(blockers))
         return not blockers
 
-    @torch.inference_mode()
-    def _capture_graphs(self) -> DecodeGraphs:
-        num_speculative_tokens = self.limits.num_speculative_tokens
-        sizes = capture_sizes(
+    def decode_capture_sizes(self) -> list[int]:
+        return capture_sizes(
             self.config.cudagraph_capture_sizes, self.limits.max_num_seqs
         )
+
+    def graph_shapes(self) -> list[GraphShape]:
+        """The step shapes this rank captures (`model_engine/cuda_graph.py`)."""
+        limits = self.limits
+        rows = sorted({1, limits.num_speculative_tokens + 1})
+        shapes: list[GraphShape] = [
+            DecodeShape(size, query_len)
+            for size in self.decode_capture_sizes()
+            for query_len in rows
+        ]
+        # A prompt that fills a size takes it unpadded, a shorter one padded.
+        prefill_tokens = min(limits.max_num_batched_tokens, limits.max_model_len)
+        shapes += [
+            PrefillShape(tokens, padded)
+            for tokens in prefill_capture_sizes(
+                self.config.prefill_capture_sizes, prefill_tokens
+            )
+            for padded in (False, True)
+        ]
+        return shapes
+
+    @torch.inference_mode()
+    def _capture_graphs(self) -> StepGraphs:
         table_width = self.limits.max_blocks_per_seq
         if self.proposer is not None:
-            self.proposer.capture_graphs(sizes, table_width)
-        return DecodeGraphs(
+            self.proposer.capture_graphs(self.decode_capture_sizes(), table_width)
+        return StepGraphs(
             self.model,
-            sizes,
-            [1, num_speculative_tokens + 1] if num_speculative_tokens else [1],
+            self.graph_shapes(),
             self.limits.block_size,
             table_width,
             (self.cache.scratch_kv_slot, self.cache.scratch_state_slot),
@@ -257,7 +284,7 @@ class ModelRunner:
     def _draft_context_writer(
         self,
     ) -> Callable[[torch.Tensor, torch.Tensor], None] | None:
-        """The drafter's context write, to be captured with the decode graphs, or
+        """The drafter's context write, to be captured with the step graphs, or
         None to keep it eager: without a drafter, and where taps arrive from earlier
         stages (the relay hands them over outside the graph)."""
         if self.drafter is None or (self.relay is not None and self.relay.incoming):
@@ -284,7 +311,7 @@ class ModelRunner:
         self.step_sampler.forget(batch.finished_seq_ids)
         num_tokens = batch.num_tokens
         graphs = self.graphs
-        graph_key = graphs.size_for(batch.work) if graphs is not None else None
+        graph_key = graphs.shape_for(batch.work) if graphs is not None else None
         received, taps_in = None, None
         if not self.is_first_stage:
             # A replayed step receives straight into its graph's static payload.
@@ -329,11 +356,11 @@ class ModelRunner:
         self,
         works: list[SeqWork],
         received: IntermediateTensors | None,
-        graph_key: tuple[int, int] | None,
+        graph_key: GraphShape | None,
         fill: InputFiller | None = None,
     ) -> tuple[torch.Tensor | IntermediateTensors, torch.Tensor, torch.Tensor]:
         """(stage output, positions, slot mapping) of the batch's rows: the captured
-        graph `graph_key` (DecodeGraphs.size_for) replays, or it runs eagerly;
+        graph of `graph_key` (StepGraphs.shape_for) replays, or it runs eagerly;
         `fill` writes the pending inputs first."""
         if graph_key is not None:
             return self.graphs.run(graph_key, works, received, fill)

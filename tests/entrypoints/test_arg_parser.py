@@ -71,6 +71,16 @@ def test_cuda_graph_flags():
     args = parse_engine_args("--cudagraph-capture-sizes", "[1,2,8]", "--enforce-eager")
     assert args.cudagraph_capture_sizes == [1, 2, 8] and args.enforce_eager
     assert parse_engine_args().cudagraph_capture_sizes is None
+    assert parse_engine_args(
+        "--prefill-capture-sizes", "16,64"
+    ).prefill_capture_sizes == [
+        16,
+        64,
+    ]
+    assert (
+        parse_engine_args("--prefill-capture-sizes", "[]").prefill_capture_sizes == []
+    )
+    assert parse_engine_args().prefill_capture_sizes is None
 
 
 PTPC_FP8 = '{"global_quant_config": "ptpc_fp8"}'
@@ -135,6 +145,8 @@ def test_unsupported_flags_are_rejected_by_name(argv, message, capsys):
         (["--kv-role", "kv_consumer"], "invalid choice: 'kv_consumer'"),
         (["--cudagraph-capture-sizes", "[1,x]"], "list of integers"),
         (["--cudagraph-capture-sizes", "[0]"], "positive integers"),
+        (["--cudagraph-capture-sizes", "[]"], "at least one size"),
+        (["--prefill-capture-sizes", "[16,0]"], "positive integers"),
         (
             ["--kv_cache_dtype", "fp8_e5m2"],
             "argument --kv-cache-dtype: invalid choice: 'fp8_e5m2' (choose from "

@@ -13,6 +13,7 @@ from atom.model_engine.memory_profile import (
     profile_block_pass,
     profile_decode,
     profile_prefill,
+    profile_short_prefill,
 )
 from atom.model_engine.model_runner import ModelRunner
 
@@ -36,6 +37,7 @@ def test_profile_steps_write_only_the_scratch_rows():
         profile_prefill(runner)
         assert layer.kv_cache.abs().sum() > 0
         profile_decode(runner)
+        profile_short_prefill(runner)
         profile_block_pass(runner)
 
 

@@ -16,6 +16,7 @@ import torch
 
 from atom import LLMEngine, SamplingParams
 from atom.config import Config
+from atom.model_engine.cuda_graph import DecodeShape, PrefillShape
 from atom.model_engine.model_runner import ModelRunner
 from tests.models.kimi_helpers import work
 from tests.spec_decode.spec_helpers import runner_of
@@ -135,8 +136,9 @@ def test_graph_decode_equals_eager_decode(runners, num_seqs, dtype, num_drafts):
             None,
         )
         step = decode_step(prompts, num_drafts)
-        key = runner.graphs.size_for(step)
-        assert key == (next(s for s in (1, 2, 4, 8) if s >= num_seqs), num_drafts + 1)
+        key = runner.graphs.shape_for(step)
+        size = next(s for s in (1, 2, 4, 8) if s >= num_seqs)
+        assert key == DecodeShape(size, num_drafts + 1)
         before = snapshot(runner)
         graph_out, _, _ = runner._forward(step, None, key)
         graph_logits = runner.model.compute_logits(graph_out).float()
@@ -160,6 +162,44 @@ def test_graph_decode_equals_eager_decode(runners, num_seqs, dtype, num_drafts):
         )
         written += int(not torch.equal(eager_rows, old_rows))
     # The comparison covers rows the step really wrote: every KV layer and state.
+    assert written >= len(runner.cache.kv_layers) + len(runner.cache.state_layers)
+
+
+@pytest.mark.parametrize("num_drafts", [0, 3], ids=["target", "dspark"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("length", [32, 21], ids=["fills-32", "padded-to-32"])
+def test_graph_prefill_equals_eager_prefill(runners, length, dtype, num_drafts):
+    """A short prompt's prefill through its captured shape writes what the eager
+    prefill writes (KV, states and, with DSpark, the draft's context rows) and
+    gives the same logits."""
+    runner = runners(dtype, num_drafts)
+    tol = TOLERANCE[dtype]
+    gen = torch.Generator().manual_seed(length)
+    prompt = torch.randint(0, 1000, (length,), generator=gen).tolist()
+    step = [work(prompt, slot=2, first_block=2 * BLOCKS_PER_SEQ)]
+    key = runner.graphs.shape_for(step)
+    assert key == PrefillShape(32, padded=length < 32)
+    with torch.inference_mode():
+        before = snapshot(runner)
+        graph_out, _, _ = runner._forward(step, None, key)
+        graph_logits = runner.model.compute_logits(graph_out).float()
+        graph_caches = snapshot(runner)
+        restore(runner, before)
+        eager_out, positions, slot_mapping = runner._forward(step, None, None)
+        if runner.graphs.after_forward is not None:
+            runner.drafter.precompute_context_kv(
+                positions, slot_mapping, positions.numel()
+            )
+        eager_logits = runner.model.compute_logits(eager_out).float()
+        eager_caches = snapshot(runner)
+    assert graph_logits.shape[0] == length
+    torch.testing.assert_close(graph_logits, eager_logits, atol=tol, rtol=tol)
+    written = 0
+    for graph_rows, eager_rows, old_rows in zip(graph_caches, eager_caches, before):
+        torch.testing.assert_close(
+            graph_rows.float(), eager_rows.float(), atol=tol, rtol=tol
+        )
+        written += int(not torch.equal(eager_rows, old_rows))
     assert written >= len(runner.cache.kv_layers) + len(runner.cache.state_layers)
 
 

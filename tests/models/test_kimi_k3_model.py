@@ -12,7 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from atom.model_engine.model_inputs import SeqPadding, prepare_inputs
+from atom.model_engine.cuda_graph import PrefillShape
+from atom.model_engine.model_inputs import SeqPadding, build_step, prepare_inputs
 from atom.model_loader.build import building_on
 from atom.model_loader.loader import WeightLoadingError
 from atom.models.kimi.model import KimiK3ForConditionalGeneration
@@ -342,3 +343,50 @@ def test_graph_padded_decode_batch_equals_the_batch_alone(k3, num_drafts):
         torch.testing.assert_close(a, b, **TOL)
     expected = golden(prompts[0] + rows[0])[0][len(prompts[0]) :]
     torch.testing.assert_close(padded_logits[: len(rows[0])], expected, **TOL)
+
+
+@pytest.mark.parametrize("length", [16, 11], ids=["fills-the-size", "padded"])
+def test_graph_prefill_shape_equals_the_prompt_alone(k3, length):
+    """A short prefill laid out as its captured shape (16 rows: the prompt, then a
+    dummy sequence holding the rows it leaves) changes nothing real: the prompt's
+    logits, KV rows and states match its unpadded prefill and the golden model's,
+    and the dummy touches only the scratch block and slot. The layout's shapes do
+    not depend on the prompt's length."""
+    model, golden = k3
+    prompt = PROMPT[:length]
+    shape = PrefillShape(16, padded=length < 16)
+    results = []
+    for padded in (False, True):
+        cache = bind_caches(model, num_blocks=32, slots=2)
+        dummy_slot = cache.scratch_state_slot
+        padding = shape.padding(cache.scratch_kv_slot, dummy_slot)
+        works = [work(prompt, slot=1, first_block=4)]
+        ids, positions, metadata = prepare_inputs(
+            works,
+            BLOCK_SIZE,
+            "cpu",
+            table_width=20,
+            padding=padding if padded else None,
+        )
+        with torch.inference_mode(), set_forward_context(ForwardContext(metadata)):
+            hidden = model(ids, positions)
+        results.append(
+            (
+                model.compute_logits(hidden[:length]),
+                [m.kv_cache[:32].clone() for m in cache.kv_layers],
+                [m.ssm_state[:2].clone() for m in cache.state_layers],
+                [m.conv_state[:2].clone() for m in cache.state_layers],
+            )
+        )
+    assert metadata.num_tokens == 16 and metadata.max_query_len == 16
+    assert metadata.num_seqs == 1 + shape.padded and metadata.all_fresh
+    (logits, *caches), (padded_logits, *padded_caches) = results
+    torch.testing.assert_close(padded_logits, logits, **TOL)
+    for a, b in zip(sum(caches, []), sum(padded_caches, [])):
+        torch.testing.assert_close(a, b, **TOL)
+    torch.testing.assert_close(padded_logits, golden(prompt)[0], **TOL)
+    # Any prompt this shape takes builds the capture's layout.
+    layout = build_step(works, BLOCK_SIZE, 20, padding)[1]
+    assert (
+        layout == build_step([shape.dummy(20, dummy_slot)], BLOCK_SIZE, 20, padding)[1]
+    )
