@@ -373,6 +373,9 @@ def atom_engine_kwargs(args: argparse.Namespace, batch_sizes: list[int]) -> dict
     )
     if args.async_scheduling is not None:
         kwargs["async_scheduling"] = args.async_scheduling
+    if args.prefill_capture_sizes:
+        sizes = args.prefill_capture_sizes.split(",")
+        kwargs["prefill_capture_sizes"] = tuple(int(size) for size in sizes)
     if args.enforce_eager:
         accepted = {field.name for field in dataclasses.fields(Config)}
         if "enforce_eager" not in accepted:
@@ -480,6 +483,11 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument(
         "--enforce-eager", action="store_true", help="atom: no CUDA graphs"
+    )
+    parser.add_argument(
+        "--prefill-capture-sizes",
+        help="atom: comma list of one-prompt prefill token counts to capture as "
+        "CUDA graphs (default: the engine's)",
     )
     parser.add_argument(
         "--async-scheduling",

@@ -15,6 +15,8 @@ profiles.
 
     python benchmarks/profile_spec_step.py --device cuda --num-prompts 16
     python benchmarks/profile_spec_step.py --device cuda --num-prompts 1 --times-only
+    python benchmarks/profile_spec_step.py --device cuda --num-prompts 1 --times-only \
+        --prefill-capture-sizes 16,32,64,128,256   # the prefill step replayed
 """
 
 from __future__ import annotations
@@ -78,6 +80,9 @@ def profile_engine(args: argparse.Namespace, spec: bool) -> float:
         max_num_seqs=args.num_prompts,
         enable_prefix_caching=False,
     )
+    if args.prefill_capture_sizes:
+        sizes = args.prefill_capture_sizes.split(",")
+        settings["prefill_capture_sizes"] = tuple(int(size) for size in sizes)
     if spec:
         settings.update(
             method="dspark",
@@ -147,6 +152,11 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--times-only", action="store_true")
+    parser.add_argument(
+        "--prefill-capture-sizes",
+        help="comma list of one-prompt prefill token counts to capture as CUDA "
+        "graphs, e.g. 16,32,64,128,256 (default: the engine's)",
+    )
     args = parser.parse_args()
     target, dspark = (profile_engine(args, spec) for spec in (False, True))
     print(f"dspark / target-only, decode time a token: {target / dspark:.2f}x")

@@ -104,7 +104,7 @@ def _online_quant_config(text: str) -> str:
     return text
 
 
-def _prefill_capture_sizes(text: str) -> list[int]:
+def _size_list(text: str) -> list[int]:
     """'[16,64]' or '16,64' -> [16, 64] (ATOM writes a list literal); '[]' -> []."""
     try:
         sizes = [int(part) for part in text.strip("[] ").split(",") if part.strip()]
@@ -119,9 +119,13 @@ def _prefill_capture_sizes(text: str) -> list[int]:
     return sizes
 
 
+def _prefill_capture_sizes(text: str) -> tuple[int, ...]:
+    return tuple(_size_list(text))
+
+
 def _capture_sizes(text: str) -> list[int]:
     """'[1,2,4]' or '1,2,4' -> [1, 2, 4]; at least one size."""
-    sizes = _prefill_capture_sizes(text)
+    sizes = _size_list(text)
     if not sizes:
         raise argparse.ArgumentTypeError(
             f"capture sizes must name at least one size, got {text!r}"
@@ -238,9 +242,9 @@ class EngineArgs(EngineSettings):
         parser.add_argument(
             "--prefill-capture-sizes",
             type=_prefill_capture_sizes,
-            default=None,
+            default=defaults.prefill_capture_sizes,
             help="token counts of one-prompt prefills to capture as CUDA graphs, "
-            "e.g. '[16,64]'; '[]' captures none (default: 16, 32, 64, 128, 256)",
+            "e.g. '[16,32,64,128,256]' (default: none)",
         )
         parser.add_argument(
             "--enable-prefix-caching",

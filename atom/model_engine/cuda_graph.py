@@ -51,10 +51,6 @@ from atom.utils.graph_capture import capture_graph
 logger = logging.getLogger(__name__)
 
 DEFAULT_CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
-# Token counts of the short prefills captured by default. The largest is the KDA
-# backend's longest prefill on its decode kernels (`TritonKDABackend`): past it a
-# prompt takes fla's chunked kernels, and its GPU time outweighs the host's anyway.
-DEFAULT_PREFILL_CAPTURE_SIZES = (16, 32, 64, 128, 256)
 
 
 def capture_sizes(requested: list[int] | None, max_num_seqs: int) -> list[int]:
@@ -65,11 +61,12 @@ def capture_sizes(requested: list[int] | None, max_num_seqs: int) -> list[int]:
     return [*kept, max_num_seqs]
 
 
-def prefill_capture_sizes(requested: list[int] | None, max_tokens: int) -> list[int]:
-    """The prefill token counts to capture: the requested ones (or the default
-    ladder; [] captures none) that a step may hold (`max_tokens`)."""
-    sizes = DEFAULT_PREFILL_CAPTURE_SIZES if requested is None else requested
-    return sorted({s for s in sizes if 1 <= s <= max_tokens})
+def prefill_capture_sizes(requested: Iterable[int], max_tokens: int) -> list[int]:
+    """The prefill token counts to capture: the requested ones
+    (`Config.prefill_capture_sizes`) that a step may hold (`max_tokens`). Past 256
+    rows a KDA prefill takes fla's chunked kernels (`TritonKDABackend`), and its
+    GPU time outweighs the host's anyway."""
+    return sorted({s for s in requested if 1 <= s <= max_tokens})
 
 
 @dataclass(frozen=True)

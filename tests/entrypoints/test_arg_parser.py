@@ -71,16 +71,12 @@ def test_cuda_graph_flags():
     args = parse_engine_args("--cudagraph-capture-sizes", "[1,2,8]", "--enforce-eager")
     assert args.cudagraph_capture_sizes == [1, 2, 8] and args.enforce_eager
     assert parse_engine_args().cudagraph_capture_sizes is None
-    assert parse_engine_args(
-        "--prefill-capture-sizes", "16,64"
-    ).prefill_capture_sizes == [
-        16,
-        64,
-    ]
+    sizes = parse_engine_args("--prefill-capture-sizes", "16,64").prefill_capture_sizes
+    assert sizes == (16, 64)
     assert (
-        parse_engine_args("--prefill-capture-sizes", "[]").prefill_capture_sizes == []
+        parse_engine_args("--prefill-capture-sizes", "[]").prefill_capture_sizes == ()
     )
-    assert parse_engine_args().prefill_capture_sizes is None
+    assert parse_engine_args().prefill_capture_sizes == ()
 
 
 PTPC_FP8 = '{"global_quant_config": "ptpc_fp8"}'

@@ -64,9 +64,9 @@ def test_a_continuing_chunk_is_not_a_short_prefill():
 
 
 def test_prefill_capture_sizes_fit_a_step():
-    assert prefill_capture_sizes(None, 100) == [16, 32, 64]
+    assert prefill_capture_sizes((16, 32, 64, 128), 100) == [16, 32, 64]
     assert prefill_capture_sizes([64, 8, 64, 512], 256) == [8, 64]
-    assert prefill_capture_sizes([], 4096) == []
+    assert prefill_capture_sizes((), 4096) == []
 
 
 @pytest.mark.parametrize(

@@ -28,6 +28,7 @@ def test_profile_steps_write_only_the_scratch_rows():
         method="dspark",
         draft_model="tiny-kimi-k3-dspark",
         num_speculative_tokens=3,
+        prefill_capture_sizes=(16, 64),
     )
     runner = ModelRunner(config, torch.device("cpu"))
     runner.cache = runner._cache_engine(num_blocks=0, num_state_slots=0)

@@ -1,14 +1,15 @@
-"""Captured decode graphs replay the eager forward (CUDA only; skipped elsewhere).
+"""Captured graphs replay the eager forward (CUDA only; skipped elsewhere).
 
 Runs the real tiny K3 through the real ModelRunner: after one prefill, a decode step
 through the graph and the same step run eagerly from the same caches give the same
 logits and the same cache rows (KV, recurrent state and, for a verify, the per-row
 snapshots), for batch sizes that need padding, with one row per sequence and with
-the T + 1 rows of a DSpark verify. End to end, DSpark with captured target and
-block-pass graphs emits exactly the eager target-only greedy tokens; pp2 (two ranks
-sharing the GPU, graphs on both stages, with and without DSpark) and pp2 x tp2 give
-the pp1 ids (fp32). The graph == eager check also runs with ptpc_fp8 weights and an
-fp8 KV cache.
+the T + 1 rows of a DSpark verify; a short prompt's prefill through its captured
+token count (filling it, or padded by a dummy sequence) does the same. End to end,
+DSpark with captured target and block-pass graphs emits exactly the eager
+target-only greedy tokens; pp2 (two ranks sharing the GPU, graphs on both stages,
+with and without DSpark) and pp2 x tp2 give the pp1 ids (fp32). The graph == eager
+check also runs with ptpc_fp8 weights and an fp8 KV cache.
 """
 
 import pytest
@@ -26,6 +27,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 BLOCK = 16
 NUM_BLOCKS = 64
 BLOCKS_PER_SEQ = 8
+# One-prompt prefills captured too, by token count (off by default).
+PREFILL_SIZES = (16, 32, 64)
 TOLERANCE = {"float32": 1e-4, "bfloat16": 5e-2, "bfloat16+fp8": 5e-2}
 # "+fp8": ptpc_fp8 weights and an fp8 KV cache, whose kernels the graphs capture too.
 FP8 = dict(
@@ -51,6 +54,7 @@ def build_runner(dtype: str, num_drafts: int) -> ModelRunner:
         max_num_seqs=8,
         num_kvcache_blocks=NUM_BLOCKS,
         cudagraph_capture_sizes=[1, 2, 4, 8],
+        prefill_capture_sizes=PREFILL_SIZES,
         **spec,
     )
     runner = ModelRunner(config, torch.device("cuda"))
@@ -204,7 +208,12 @@ def test_graph_prefill_equals_eager_prefill(runners, length, dtype, num_drafts):
 
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-COMMON = dict(device="cuda", max_num_seqs=8, max_model_len=256)
+COMMON = dict(
+    device="cuda",
+    max_num_seqs=8,
+    max_model_len=256,
+    prefill_capture_sizes=PREFILL_SIZES,
+)
 DSPARK = dict(
     method="dspark", draft_model="tiny-kimi-k3-dspark", num_speculative_tokens=7
 )
