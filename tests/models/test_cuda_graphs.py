@@ -116,13 +116,42 @@ def runners():
     torch.cuda.empty_cache()
 
 
+def assert_replay_equals_eager(runner: ModelRunner, step: list, key, tol: float):
+    """`step` replayed through the capture of `key` and run eagerly from the same
+    caches give the same logits and the same cache rows."""
+    with torch.inference_mode():
+        before = snapshot(runner)
+        graph_out, _, _ = runner._forward(step, None, key)
+        graph_logits = runner.model.compute_logits(graph_out).float()
+        graph_caches = snapshot(runner)
+        restore(runner, before)
+        eager_out, positions, slot_mapping = runner._forward(step, None, None)
+        if runner.graphs.after_forward is not None:
+            # The graph wrote the draft's context rows too; eagerly the runner
+            # writes them after the forward (model_runner._sample_and_draft).
+            runner.drafter.precompute_context_kv(
+                positions, slot_mapping, positions.numel()
+            )
+        eager_logits = runner.model.compute_logits(eager_out).float()
+        eager_caches = snapshot(runner)
+    assert graph_logits.shape[0] == sum(len(w.token_ids) for w in step)
+    torch.testing.assert_close(graph_logits, eager_logits, atol=tol, rtol=tol)
+    written = 0
+    for graph_rows, eager_rows, old_rows in zip(graph_caches, eager_caches, before):
+        torch.testing.assert_close(
+            graph_rows.float(), eager_rows.float(), atol=tol, rtol=tol
+        )
+        written += int(not torch.equal(eager_rows, old_rows))
+    # The comparison covers rows the step really wrote: every KV layer and state.
+    assert written >= len(runner.cache.kv_layers) + len(runner.cache.state_layers)
+
+
 @pytest.mark.parametrize("num_drafts", [0, 3], ids=["1-row", "verify-4-rows"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "bfloat16+fp8"])
 @pytest.mark.parametrize("num_seqs", [1, 3, 6])
 def test_graph_decode_equals_eager_decode(runners, num_seqs, dtype, num_drafts):
     runner = runners(dtype, num_drafts)
     assert runner.graphs is not None, "the tiny K3 must capture on CUDA"
-    tol = TOLERANCE[dtype]
     gen = torch.Generator().manual_seed(num_seqs)
     prompts = [
         torch.randint(0, 1000, (20 + 3 * i,), generator=gen).tolist()
@@ -139,34 +168,11 @@ def test_graph_decode_equals_eager_decode(runners, num_seqs, dtype, num_drafts):
             None,
             None,
         )
-        step = decode_step(prompts, num_drafts)
-        key = runner.graphs.shape_for(step)
-        size = next(s for s in (1, 2, 4, 8) if s >= num_seqs)
-        assert key == DecodeShape(size, num_drafts + 1)
-        before = snapshot(runner)
-        graph_out, _, _ = runner._forward(step, None, key)
-        graph_logits = runner.model.compute_logits(graph_out).float()
-        graph_caches = snapshot(runner)
-        restore(runner, before)
-        eager_out, positions, slot_mapping = runner._forward(step, None, None)
-        if runner.graphs.after_forward is not None:
-            # The graph wrote the draft's context rows too; eagerly the runner
-            # writes them after the forward (model_runner._sample_and_draft).
-            runner.drafter.precompute_context_kv(
-                positions, slot_mapping, positions.numel()
-            )
-        eager_logits = runner.model.compute_logits(eager_out).float()
-        eager_caches = snapshot(runner)
-    assert graph_logits.shape[0] == num_seqs * (num_drafts + 1)
-    torch.testing.assert_close(graph_logits, eager_logits, atol=tol, rtol=tol)
-    written = 0
-    for graph_rows, eager_rows, old_rows in zip(graph_caches, eager_caches, before):
-        torch.testing.assert_close(
-            graph_rows.float(), eager_rows.float(), atol=tol, rtol=tol
-        )
-        written += int(not torch.equal(eager_rows, old_rows))
-    # The comparison covers rows the step really wrote: every KV layer and state.
-    assert written >= len(runner.cache.kv_layers) + len(runner.cache.state_layers)
+    step = decode_step(prompts, num_drafts)
+    key = runner.graphs.shape_for(step)
+    size = next(s for s in (1, 2, 4, 8) if s >= num_seqs)
+    assert key == DecodeShape(size, num_drafts + 1)
+    assert_replay_equals_eager(runner, step, key, TOLERANCE[dtype])
 
 
 @pytest.mark.parametrize("num_drafts", [0, 3], ids=["target", "dspark"])
@@ -177,34 +183,12 @@ def test_graph_prefill_equals_eager_prefill(runners, length, dtype, num_drafts):
     prefill writes (KV, states and, with DSpark, the draft's context rows) and
     gives the same logits."""
     runner = runners(dtype, num_drafts)
-    tol = TOLERANCE[dtype]
     gen = torch.Generator().manual_seed(length)
     prompt = torch.randint(0, 1000, (length,), generator=gen).tolist()
     step = [work(prompt, slot=2, first_block=2 * BLOCKS_PER_SEQ)]
     key = runner.graphs.shape_for(step)
     assert key == PrefillShape(32, padded=length < 32)
-    with torch.inference_mode():
-        before = snapshot(runner)
-        graph_out, _, _ = runner._forward(step, None, key)
-        graph_logits = runner.model.compute_logits(graph_out).float()
-        graph_caches = snapshot(runner)
-        restore(runner, before)
-        eager_out, positions, slot_mapping = runner._forward(step, None, None)
-        if runner.graphs.after_forward is not None:
-            runner.drafter.precompute_context_kv(
-                positions, slot_mapping, positions.numel()
-            )
-        eager_logits = runner.model.compute_logits(eager_out).float()
-        eager_caches = snapshot(runner)
-    assert graph_logits.shape[0] == length
-    torch.testing.assert_close(graph_logits, eager_logits, atol=tol, rtol=tol)
-    written = 0
-    for graph_rows, eager_rows, old_rows in zip(graph_caches, eager_caches, before):
-        torch.testing.assert_close(
-            graph_rows.float(), eager_rows.float(), atol=tol, rtol=tol
-        )
-        written += int(not torch.equal(eager_rows, old_rows))
-    assert written >= len(runner.cache.kv_layers) + len(runner.cache.state_layers)
+    assert_replay_equals_eager(runner, step, key, TOLERANCE[dtype])
 
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)

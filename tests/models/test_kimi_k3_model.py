@@ -299,6 +299,22 @@ def test_tiny_kimi_linear_matches_golden():
     torch.testing.assert_close(logits_of(model, [work(PROMPT)]), expected, **TOL)
 
 
+def run_padded(model, works, cache, padding):
+    """(logits of the real rows, request-owned KV rows and KDA states, metadata) of
+    one forward of `works` with `padding` (or none) at a 20-block table width."""
+    ids, positions, metadata = prepare_inputs(
+        works, BLOCK_SIZE, "cpu", table_width=20, padding=padding
+    )
+    with torch.inference_mode(), set_forward_context(ForwardContext(metadata)):
+        hidden = model(ids, positions)
+    real = sum(w.num_rows for w in works)
+    blocks, slots = cache.num_blocks, cache.num_state_slots
+    rows = [m.kv_cache[:blocks].clone() for m in cache.kv_layers]
+    for m in cache.state_layers:
+        rows += [m.ssm_state[:slots].clone(), m.conv_state[:slots].clone()]
+    return model.compute_logits(hidden[:real]), rows, metadata
+
+
 @pytest.mark.parametrize("num_drafts", [0, 3])
 def test_graph_padded_decode_batch_equals_the_batch_alone(k3, num_drafts):
     """The dummy sequences that pad a captured graph's batch change nothing real:
@@ -319,27 +335,11 @@ def test_graph_padded_decode_batch_equals_the_batch_alone(k3, num_drafts):
             model, [work(p, slot=i, first_block=16 * i) for i, p in enumerate(prompts)]
         )
         padding = SeqPadding(5, cache.scratch_kv_slot, cache.scratch_state_slot)
-        ids, positions, metadata = prepare_inputs(
-            decode,
-            BLOCK_SIZE,
-            "cpu",
-            table_width=20,
-            padding=padding if padded else None,
-        )
-        with torch.inference_mode(), set_forward_context(ForwardContext(metadata)):
-            hidden = model(ids, positions)
-        real = len(rows[0]) + len(rows[1])
-        results.append(
-            (
-                model.compute_logits(hidden[:real]),
-                [m.kv_cache[:32].clone() for m in cache.kv_layers],
-                [m.ssm_state[:2].clone() for m in cache.state_layers],
-            )
-        )
-    (logits, kv, states), (padded_logits, padded_kv, padded_states) = results
+        results.append(run_padded(model, decode, cache, padding if padded else None))
+    (logits, caches, _), (padded_logits, padded_caches, metadata) = results
     assert metadata.num_seqs == 5 and metadata.query_len == 1 + num_drafts
     torch.testing.assert_close(padded_logits, logits, **TOL)
-    for a, b in zip(kv + states, padded_kv + padded_states):
+    for a, b in zip(caches, padded_caches):
         torch.testing.assert_close(a, b, **TOL)
     expected = golden(prompts[0] + rows[0])[0][len(prompts[0]) :]
     torch.testing.assert_close(padded_logits[: len(rows[0])], expected, **TOL)
@@ -355,38 +355,20 @@ def test_graph_prefill_shape_equals_the_prompt_alone(k3, length):
     model, golden = k3
     prompt = PROMPT[:length]
     shape = PrefillShape(16, padded=length < 16)
+    works = [work(prompt, slot=1, first_block=4)]
     results = []
     for padded in (False, True):
         cache = bind_caches(model, num_blocks=32, slots=2)
-        dummy_slot = cache.scratch_state_slot
-        padding = shape.padding(cache.scratch_kv_slot, dummy_slot)
-        works = [work(prompt, slot=1, first_block=4)]
-        ids, positions, metadata = prepare_inputs(
-            works,
-            BLOCK_SIZE,
-            "cpu",
-            table_width=20,
-            padding=padding if padded else None,
-        )
-        with torch.inference_mode(), set_forward_context(ForwardContext(metadata)):
-            hidden = model(ids, positions)
-        results.append(
-            (
-                model.compute_logits(hidden[:length]),
-                [m.kv_cache[:32].clone() for m in cache.kv_layers],
-                [m.ssm_state[:2].clone() for m in cache.state_layers],
-                [m.conv_state[:2].clone() for m in cache.state_layers],
-            )
-        )
+        padding = shape.padding(cache.scratch_kv_slot, cache.scratch_state_slot)
+        results.append(run_padded(model, works, cache, padding if padded else None))
+    (logits, caches, _), (padded_logits, padded_caches, metadata) = results
     assert metadata.num_tokens == 16 and metadata.max_query_len == 16
     assert metadata.num_seqs == 1 + shape.padded and metadata.all_fresh
-    (logits, *caches), (padded_logits, *padded_caches) = results
     torch.testing.assert_close(padded_logits, logits, **TOL)
-    for a, b in zip(sum(caches, []), sum(padded_caches, [])):
+    for a, b in zip(caches, padded_caches):
         torch.testing.assert_close(a, b, **TOL)
     torch.testing.assert_close(padded_logits, golden(prompt)[0], **TOL)
     # Any prompt this shape takes builds the capture's layout.
+    dummy = shape.dummy(20, cache.scratch_state_slot)
     layout = build_step(works, BLOCK_SIZE, 20, padding)[1]
-    assert (
-        layout == build_step([shape.dummy(20, dummy_slot)], BLOCK_SIZE, 20, padding)[1]
-    )
+    assert layout == build_step([dummy], BLOCK_SIZE, 20, padding)[1]
