@@ -7,7 +7,8 @@ snapshots), for batch sizes that need padding, with one row per sequence and wit
 the T + 1 rows of a DSpark verify; a short prompt's prefill through its captured
 token count (filling it, or padded by a dummy sequence) does the same. End to end,
 DSpark with captured target and block-pass graphs emits exactly the eager
-target-only greedy tokens; pp2 (two ranks sharing the GPU, graphs on both stages,
+target-only greedy tokens, prompts prefilled together or one at a time through their
+captures; pp2 (two ranks sharing the GPU, graphs on both stages,
 with and without DSpark) and pp2 x tp2 give the pp1 ids (fp32). The graph == eager
 check also runs with ptpc_fp8 weights and an fp8 KV cache.
 """
@@ -229,7 +230,7 @@ def generate_ids(dtype: str, **settings) -> list[list[int]]:
 
 
 def captured_graphs(runner: ModelRunner) -> int:
-    """Decode graphs this rank captured (0 when it runs eagerly)."""
+    """Graphs this rank captured (0 when it runs eagerly)."""
     return len(runner.graphs.captures) if runner.graphs is not None else 0
 
 
@@ -261,6 +262,25 @@ def test_dspark_with_graphs_emits_the_eager_target_only_tokens():
     eager_ids, eager_rate = dspark_ids_and_acceptance(enforce_eager=True)
     assert eager_ids == eager
     assert rate == pytest.approx(eager_rate, abs=0.02)
+
+
+def test_prompts_alone_prefill_through_their_graphs_and_decode_as_eager():
+    """Each prompt alone in its step: its prefill replays the capture of its token
+    count (the capture's static inputs hold the prompt afterwards), and DSpark with
+    graphs still emits the eager target-only tokens."""
+    eager = generate_ids("float32", enforce_eager=True)
+    llm = LLMEngine("tiny-kimi-k3", dtype="float32", **COMMON, **DSPARK)
+    try:
+        captures = runner_of(llm).graphs.captures
+        ids = []
+        for prompt in prompts_for_layouts():
+            ids.append(llm.generate([prompt], GREEDY)[0]["token_ids"])
+            size = next(s for s in PREFILL_SIZES if s >= len(prompt))
+            replayed = captures[PrefillShape(size, padded=size > len(prompt))]
+            assert replayed.packed[: len(prompt)].tolist() == prompt
+    finally:
+        llm.close()
+    assert ids == eager
 
 
 @pytest.fixture(scope="module")
