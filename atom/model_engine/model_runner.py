@@ -240,6 +240,7 @@ class ModelRunner:
         return not blockers
 
     def decode_capture_sizes(self) -> list[int]:
+        """Decode batch sizes captured, by the target's graphs and the block pass's."""
         return capture_sizes(
             self.config.cudagraph_capture_sizes, self.limits.max_num_seqs
         )
