@@ -262,10 +262,11 @@ class EngineSettings:
     enforce_eager: bool = False
     # Batch sizes to capture; None: the default ladder up to max_num_seqs.
     cudagraph_capture_sizes: list[int] | None = None
-    # Token counts of one-prompt prefills to capture (model_engine/cuda_graph.py),
-    # e.g. (16, 32, 64, 128, 256): past 256 rows a KDA prefill leaves the decode
-    # kernels. Empty by default until a GPU run has held them to the eager prefill.
-    prefill_capture_sizes: tuple[int, ...] = ()
+    # Token counts of one-prompt prefills to capture (model_engine/cuda_graph.py):
+    # an eager short prefill is host-bound (hundreds of launches for a few ms of
+    # GPU work). Past 256 rows a KDA prefill leaves the decode kernels, and the
+    # device's time outweighs the host's anyway. Empty: every prefill eager.
+    prefill_capture_sizes: tuple[int, ...] = (16, 32, 64, 128, 256)
     kv_role: str = "none"
     # JSON text or object (`kv_transfer/config.py`); None: no KV moves between engines.
     kv_transfer_config: str | dict | None = None

@@ -373,8 +373,8 @@ def atom_engine_kwargs(args: argparse.Namespace, batch_sizes: list[int]) -> dict
     )
     if args.async_scheduling is not None:
         kwargs["async_scheduling"] = args.async_scheduling
-    if args.prefill_capture_sizes:
-        sizes = args.prefill_capture_sizes.split(",")
+    if args.prefill_capture_sizes is not None:
+        sizes = filter(None, args.prefill_capture_sizes.split(","))
         kwargs["prefill_capture_sizes"] = tuple(int(size) for size in sizes)
     if args.enforce_eager:
         accepted = {field.name for field in dataclasses.fields(Config)}
@@ -487,7 +487,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--prefill-capture-sizes",
         help="atom: comma list of one-prompt prefill token counts to capture as "
-        "CUDA graphs (default: the engine's)",
+        "CUDA graphs; '' for none (default: the engine's)",
     )
     parser.add_argument(
         "--async-scheduling",

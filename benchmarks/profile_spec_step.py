@@ -80,8 +80,8 @@ def profile_engine(args: argparse.Namespace, spec: bool) -> float:
         max_num_seqs=args.num_prompts,
         enable_prefix_caching=False,
     )
-    if args.prefill_capture_sizes:
-        sizes = args.prefill_capture_sizes.split(",")
+    if args.prefill_capture_sizes is not None:
+        sizes = filter(None, args.prefill_capture_sizes.split(","))
         settings["prefill_capture_sizes"] = tuple(int(size) for size in sizes)
     if spec:
         settings.update(
@@ -155,7 +155,7 @@ def main() -> None:
     parser.add_argument(
         "--prefill-capture-sizes",
         help="comma list of one-prompt prefill token counts to capture as CUDA "
-        "graphs, e.g. 16,32,64,128,256 (default: the engine's)",
+        "graphs, e.g. 16,32,64,128,256; '' for none (default: the engine's)",
     )
     args = parser.parse_args()
     target, dspark = (profile_engine(args, spec) for spec in (False, True))

@@ -244,7 +244,8 @@ class EngineArgs(EngineSettings):
             type=_prefill_capture_sizes,
             default=defaults.prefill_capture_sizes,
             help="token counts of one-prompt prefills to capture as CUDA graphs, "
-            "e.g. '[16,32,64,128,256]' (default: none)",
+            "'[]' for none (default: "
+            f"{list(defaults.prefill_capture_sizes)})",
         )
         parser.add_argument(
             "--enable-prefix-caching",

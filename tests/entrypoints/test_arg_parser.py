@@ -76,7 +76,7 @@ def test_cuda_graph_flags():
     assert (
         parse_engine_args("--prefill-capture-sizes", "[]").prefill_capture_sizes == ()
     )
-    assert parse_engine_args().prefill_capture_sizes == ()
+    assert parse_engine_args().prefill_capture_sizes == (16, 32, 64, 128, 256)
 
 
 PTPC_FP8 = '{"global_quant_config": "ptpc_fp8"}'

@@ -11,12 +11,16 @@ from torch import nn
 from atom.config import Config
 from atom.model_engine.batch import SeqWork
 from atom.model_engine.cache_engine import CacheEngine
-from atom.model_engine.model_inputs import prepare_inputs
+from atom.model_engine.model_inputs import SeqPadding, prepare_inputs
 from atom.model_loader.loader import load_weights
 from atom.models.registry import get_model_class
 from atom.models.tiny.configs import k3_text_config, kimi_linear_config
 from atom.models.utils import IntermediateTensors
-from atom.utils.forward_context import ForwardContext, set_forward_context
+from atom.utils.forward_context import (
+    AttentionMetadata,
+    ForwardContext,
+    set_forward_context,
+)
 
 BLOCK_SIZE = 4
 # Where a target builds `embed_tokens` under PP: (pp_rank, pp_size, method, kv_role,
@@ -90,6 +94,29 @@ def forward_rows(
 @torch.inference_mode()
 def logits_of(model: nn.Module, works: list[SeqWork]) -> torch.Tensor:
     return model.compute_logits(forward_rows(model, works))
+
+
+@torch.inference_mode()
+def run_padded(
+    model: nn.Module,
+    works: list[SeqWork],
+    cache: CacheEngine,
+    padding: SeqPadding | None,
+) -> tuple[torch.Tensor, list[torch.Tensor], AttentionMetadata]:
+    """(logits of the real rows, request-owned KV rows and recurrent states,
+    metadata) of one forward of `works` with `padding` (or none) at a 20-block table
+    width: what a captured graph's padded layout must leave unchanged."""
+    ids, positions, metadata = prepare_inputs(
+        works, BLOCK_SIZE, "cpu", table_width=20, padding=padding
+    )
+    with set_forward_context(ForwardContext(metadata)):
+        hidden = model(ids, positions)
+    real = sum(w.num_rows for w in works)
+    blocks, slots = cache.num_blocks, cache.num_state_slots
+    rows = [m.kv_cache[:blocks].clone() for m in cache.kv_layers]
+    for m in cache.state_layers:
+        rows += [m.ssm_state[:slots].clone(), m.conv_state[:slots].clone()]
+    return model.compute_logits(hidden[:real]), rows, metadata
 
 
 def cache_name(reference: nn.Module) -> str:

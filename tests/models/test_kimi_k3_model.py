@@ -13,20 +13,20 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from atom.model_engine.cuda_graph import PrefillShape
-from atom.model_engine.model_inputs import SeqPadding, build_step, prepare_inputs
+from atom.model_engine.model_inputs import SeqPadding, build_step
 from atom.model_loader.build import building_on
 from atom.model_loader.loader import WeightLoadingError
 from atom.models.kimi.model import KimiK3ForConditionalGeneration
 from atom.models.registry import get_model_class
 from atom.models.tiny import resolve_model_path
 from atom.models.utils import language_model_of
-from atom.utils.forward_context import ForwardContext, set_forward_context
 from tests.models.kimi_helpers import (
     BLOCK_SIZE,
     bind_caches,
     build_target,
     forward_rows,
     logits_of,
+    run_padded,
     work,
 )
 from tests.reference.k3_golden import GoldenModel
@@ -297,22 +297,6 @@ def test_tiny_kimi_linear_matches_golden():
     bind_caches(model)
     expected = GoldenModel.from_pretrained(config.model)(PROMPT)[0]
     torch.testing.assert_close(logits_of(model, [work(PROMPT)]), expected, **TOL)
-
-
-def run_padded(model, works, cache, padding):
-    """(logits of the real rows, request-owned KV rows and KDA states, metadata) of
-    one forward of `works` with `padding` (or none) at a 20-block table width."""
-    ids, positions, metadata = prepare_inputs(
-        works, BLOCK_SIZE, "cpu", table_width=20, padding=padding
-    )
-    with torch.inference_mode(), set_forward_context(ForwardContext(metadata)):
-        hidden = model(ids, positions)
-    real = sum(w.num_rows for w in works)
-    blocks, slots = cache.num_blocks, cache.num_state_slots
-    rows = [m.kv_cache[:blocks].clone() for m in cache.kv_layers]
-    for m in cache.state_layers:
-        rows += [m.ssm_state[:slots].clone(), m.conv_state[:slots].clone()]
-    return model.compute_logits(hidden[:real]), rows, metadata
 
 
 @pytest.mark.parametrize("num_drafts", [0, 3])
