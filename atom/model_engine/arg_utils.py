@@ -244,8 +244,7 @@ class EngineArgs(EngineSettings):
             type=_prefill_capture_sizes,
             default=defaults.prefill_capture_sizes,
             help="token counts of one-prompt prefills to capture as CUDA graphs, "
-            "'[]' for none (default: "
-            f"{list(defaults.prefill_capture_sizes)})",
+            "'[]' for none",
         )
         parser.add_argument(
             "--enable-prefix-caching",
