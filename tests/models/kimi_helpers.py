@@ -4,6 +4,7 @@ run rows, transformers oracles, PP embedding placements."""
 from __future__ import annotations
 
 import inspect
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -11,6 +12,7 @@ from torch import nn
 from atom.config import Config
 from atom.model_engine.batch import SeqWork
 from atom.model_engine.cache_engine import CacheEngine
+from atom.model_engine.cuda_graph import PrefillShape
 from atom.model_engine.model_inputs import SeqPadding, prepare_inputs
 from atom.model_loader.loader import load_weights
 from atom.models.registry import get_model_class
@@ -96,16 +98,24 @@ def logits_of(model: nn.Module, works: list[SeqWork]) -> torch.Tensor:
     return model.compute_logits(forward_rows(model, works))
 
 
+class PaddedRun(NamedTuple):
+    """One forward's real-row logits, request-owned cache rows and metadata."""
+
+    logits: torch.Tensor
+    cache_rows: list[torch.Tensor]
+    metadata: AttentionMetadata
+
+
 @torch.inference_mode()
 def run_padded(
     model: nn.Module,
     works: list[SeqWork],
     cache: CacheEngine,
     padding: SeqPadding | None,
-) -> tuple[torch.Tensor, list[torch.Tensor], AttentionMetadata]:
-    """(logits of the real rows, request-owned KV rows and recurrent states,
-    metadata) of one forward of `works` with `padding` (or none) at a 20-block table
-    width: what a captured graph's padded layout must leave unchanged."""
+) -> PaddedRun:
+    """One forward of `works` with `padding` (or none) at a 20-block table width;
+    its cache rows are the request-owned KV rows and recurrent states, what a
+    captured graph's padded layout must leave unchanged."""
     ids, positions, metadata = prepare_inputs(
         works, BLOCK_SIZE, "cpu", table_width=20, padding=padding
     )
@@ -116,7 +126,50 @@ def run_padded(
     rows = [m.kv_cache[:blocks].clone() for m in cache.kv_layers]
     for m in cache.state_layers:
         rows += [m.ssm_state[:slots].clone(), m.conv_state[:slots].clone()]
-    return model.compute_logits(hidden[:real]), rows, metadata
+    return PaddedRun(model.compute_logits(hidden[:real]), rows, metadata)
+
+
+def padded_decode_runs(
+    model: nn.Module, prompts: list[list[int]], rows: list[list[int]], num_drafts: int
+) -> tuple[PaddedRun, PaddedRun]:
+    """One decode (or verify) step of `rows` after prefilling `prompts`, on fresh
+    caches each time: (unpadded, padded with dummy sequences to 5)."""
+    decode = [
+        work(rows[i], len(prompts[i]), slot=i, num_drafts=num_drafts,
+             first_block=16 * i)
+        for i in range(len(prompts))
+    ]  # fmt: skip
+    runs = []
+    for padded in (False, True):
+        cache = bind_caches(model, num_blocks=32, slots=2, spec_rows=4)
+        logits_of(
+            model, [work(p, slot=i, first_block=16 * i) for i, p in enumerate(prompts)]
+        )
+        padding = SeqPadding(5, cache.scratch_kv_slot, cache.scratch_state_slot)
+        runs.append(run_padded(model, decode, cache, padding if padded else None))
+    return runs[0], runs[1]
+
+
+def padded_prefill_runs(
+    model: nn.Module, works: list[SeqWork], shape: PrefillShape
+) -> tuple[PaddedRun, PaddedRun]:
+    """One prefill of `works` on fresh caches each time: (unpadded, laid out as
+    `shape`'s capture)."""
+    runs = []
+    for padded in (False, True):
+        cache = bind_caches(model, num_blocks=32, slots=2)
+        padding = shape.padding(cache.scratch_kv_slot, cache.scratch_state_slot)
+        runs.append(run_padded(model, works, cache, padding if padded else None))
+    return runs[0], runs[1]
+
+
+def assert_padding_changes_nothing(
+    unpadded: PaddedRun, padded: PaddedRun, tol: dict
+) -> None:
+    """The real rows' logits and every request-owned cache row are unchanged."""
+    torch.testing.assert_close(padded.logits, unpadded.logits, **tol)
+    for rows, padded_rows in zip(unpadded.cache_rows, padded.cache_rows):
+        torch.testing.assert_close(padded_rows, rows, **tol)
 
 
 def cache_name(reference: nn.Module) -> str:

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from atom.model_engine.cuda_graph import PrefillShape
-from atom.model_engine.model_inputs import SeqPadding, build_step
+from atom.model_engine.model_inputs import build_step
 from atom.model_loader.build import building_on
 from atom.model_loader.loader import WeightLoadingError
 from atom.models.kimi.model import KimiK3ForConditionalGeneration
@@ -22,11 +22,13 @@ from atom.models.tiny import resolve_model_path
 from atom.models.utils import language_model_of
 from tests.models.kimi_helpers import (
     BLOCK_SIZE,
+    assert_padding_changes_nothing,
     bind_caches,
     build_target,
     forward_rows,
     logits_of,
-    run_padded,
+    padded_decode_runs,
+    padded_prefill_runs,
     work,
 )
 from tests.reference.k3_golden import GoldenModel
@@ -307,26 +309,12 @@ def test_graph_padded_decode_batch_equals_the_batch_alone(k3, num_drafts):
     model, golden = k3
     prompts = [PROMPT[:10], OTHER[:12]]
     rows = [PROMPT[10 : 11 + num_drafts], OTHER[12 : 13 + num_drafts]]
-    decode = [
-        work(rows[i], len(prompts[i]), slot=i, num_drafts=num_drafts,
-             first_block=16 * i)
-        for i in range(2)
-    ]  # fmt: skip
-    results = []
-    for padded in (False, True):
-        cache = bind_caches(model, num_blocks=32, slots=2, spec_rows=4)
-        logits_of(
-            model, [work(p, slot=i, first_block=16 * i) for i, p in enumerate(prompts)]
-        )
-        padding = SeqPadding(5, cache.scratch_kv_slot, cache.scratch_state_slot)
-        results.append(run_padded(model, decode, cache, padding if padded else None))
-    (logits, caches, _), (padded_logits, padded_caches, metadata) = results
+    unpadded, padded = padded_decode_runs(model, prompts, rows, num_drafts)
+    metadata = padded.metadata
     assert metadata.num_seqs == 5 and metadata.query_len == 1 + num_drafts
-    torch.testing.assert_close(padded_logits, logits, **TOL)
-    for a, b in zip(caches, padded_caches):
-        torch.testing.assert_close(a, b, **TOL)
+    assert_padding_changes_nothing(unpadded, padded, TOL)
     expected = golden(prompts[0] + rows[0])[0][len(prompts[0]) :]
-    torch.testing.assert_close(padded_logits[: len(rows[0])], expected, **TOL)
+    torch.testing.assert_close(padded.logits[: len(rows[0])], expected, **TOL)
 
 
 @pytest.mark.parametrize("length", [16, 11], ids=["fills-the-size", "padded"])
@@ -340,19 +328,15 @@ def test_graph_prefill_shape_equals_the_prompt_alone(k3, length):
     prompt = PROMPT[:length]
     shape = PrefillShape(16, padded=length < 16)
     works = [work(prompt, slot=1, first_block=4)]
-    results = []
-    for padded in (False, True):
-        cache = bind_caches(model, num_blocks=32, slots=2)
-        padding = shape.padding(cache.scratch_kv_slot, cache.scratch_state_slot)
-        results.append(run_padded(model, works, cache, padding if padded else None))
-    (logits, caches, _), (padded_logits, padded_caches, metadata) = results
+    unpadded, padded = padded_prefill_runs(model, works, shape)
+    metadata = padded.metadata
     assert metadata.num_tokens == 16 and metadata.max_query_len == 16
     assert metadata.num_seqs == 1 + shape.padded and metadata.all_fresh
-    torch.testing.assert_close(padded_logits, logits, **TOL)
-    for a, b in zip(caches, padded_caches):
-        torch.testing.assert_close(a, b, **TOL)
-    torch.testing.assert_close(padded_logits, golden(prompt)[0], **TOL)
+    assert_padding_changes_nothing(unpadded, padded, TOL)
+    torch.testing.assert_close(padded.logits, golden(prompt)[0], **TOL)
     # Any prompt this shape takes builds the capture's layout.
+    cache = bind_caches(model, num_blocks=32, slots=2)
+    padding = shape.padding(cache.scratch_kv_slot, cache.scratch_state_slot)
     dummy = shape.dummy(20, cache.scratch_state_slot)
     layout = build_step(works, BLOCK_SIZE, 20, padding)[1]
     assert layout == build_step([dummy], BLOCK_SIZE, 20, padding)[1]
