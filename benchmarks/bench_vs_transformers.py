@@ -44,6 +44,7 @@ from transformers import KimiLinearConfig, PreTrainedTokenizerFast  # noqa: E402
 
 from atom import LLMEngine, SamplingParams  # noqa: E402
 from atom.config import KV_CACHE_DTYPES, Config  # noqa: E402
+from atom.model_engine.arg_utils import parse_prefill_capture_sizes  # noqa: E402
 from atom.utils.log_format import configure_logging  # noqa: E402
 
 STARTED = time.perf_counter()
@@ -374,8 +375,7 @@ def atom_engine_kwargs(args: argparse.Namespace, batch_sizes: list[int]) -> dict
     if args.async_scheduling is not None:
         kwargs["async_scheduling"] = args.async_scheduling
     if args.prefill_capture_sizes is not None:
-        sizes = filter(None, args.prefill_capture_sizes.split(","))
-        kwargs["prefill_capture_sizes"] = tuple(int(size) for size in sizes)
+        kwargs["prefill_capture_sizes"] = args.prefill_capture_sizes
     if args.enforce_eager:
         accepted = {field.name for field in dataclasses.fields(Config)}
         if "enforce_eager" not in accepted:
@@ -486,6 +486,7 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument(
         "--prefill-capture-sizes",
+        type=parse_prefill_capture_sizes,
         help="atom: comma list of one-prompt prefill token counts to capture as "
         "CUDA graphs; '' for none (default: the engine's)",
     )

@@ -32,6 +32,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from atom import LLMEngine, SamplingParams
+from atom.model_engine.arg_utils import parse_prefill_capture_sizes
 from atom.models.tiny.excerpt import held_out_prompt_ids
 
 
@@ -81,8 +82,7 @@ def profile_engine(args: argparse.Namespace, spec: bool) -> float:
         enable_prefix_caching=False,
     )
     if args.prefill_capture_sizes is not None:
-        sizes = filter(None, args.prefill_capture_sizes.split(","))
-        settings["prefill_capture_sizes"] = tuple(int(size) for size in sizes)
+        settings["prefill_capture_sizes"] = args.prefill_capture_sizes
     if spec:
         settings.update(
             method="dspark",
@@ -154,6 +154,7 @@ def main() -> None:
     parser.add_argument("--times-only", action="store_true")
     parser.add_argument(
         "--prefill-capture-sizes",
+        type=parse_prefill_capture_sizes,
         help="comma list of one-prompt prefill token counts to capture as CUDA "
         "graphs, e.g. 16,32,64,128,256; '' for none (default: the engine's)",
     )

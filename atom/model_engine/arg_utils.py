@@ -119,7 +119,9 @@ def _size_list(text: str) -> list[int]:
     return sizes
 
 
-def _prefill_capture_sizes(text: str) -> tuple[int, ...]:
+def parse_prefill_capture_sizes(text: str) -> tuple[int, ...]:
+    """'[16,64]' or '16,64' -> (16, 64); '[]' or '' -> () (every prefill eager).
+    The benchmarks' flag of the same name parses with it too."""
     return tuple(_size_list(text))
 
 
@@ -241,7 +243,7 @@ class EngineArgs(EngineSettings):
         )
         parser.add_argument(
             "--prefill-capture-sizes",
-            type=_prefill_capture_sizes,
+            type=parse_prefill_capture_sizes,
             default=defaults.prefill_capture_sizes,
             help="token counts of one-prompt prefills to capture as CUDA graphs, "
             "'[]' for none",
